@@ -1,0 +1,145 @@
+"""A Llama-style decoder split into pipeline stages (RMSNorm, RoPE, SwiGLU, untied byte embeddings).
+
+A `Stage` owns a contiguous layer range; the first stage also owns the embedding, the last the final norm
+and LM head. Parameter names are global (`layers.3.attn.wq.weight`) and each parameter's initial value
+is seeded by its name, so any partition of the model starts from bit-identical weights.
+"""
+
+from __future__ import annotations
+
+import math
+import zlib
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from protocol.runspec import ModelSpec
+
+
+class RMSNorm(nn.Module):
+    def __init__(self, d: int, eps: float = 1e-6) -> None:
+        super().__init__()
+        self.eps = eps
+        self.weight = nn.Parameter(torch.ones(d))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + self.eps) * self.weight
+
+
+def rope_tables(seq_len: int, head_dim: int, theta: float) -> tuple[torch.Tensor, torch.Tensor]:
+    """cos, sin of shape (L, head_dim/2) for rotary position embeddings (arXiv 2104.09864)."""
+    inv_freq = 1.0 / theta ** (torch.arange(0, head_dim, 2, dtype=torch.float64) / head_dim)
+    angles = torch.outer(torch.arange(seq_len, dtype=torch.float64), inv_freq)  # (L, hd/2)
+    return angles.cos().float(), angles.sin().float()
+
+
+def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    # x: (b, h, L, hd); rotate interleaved pairs (x0, x1) -> (x0 cos - x1 sin, x0 sin + x1 cos)
+    x0, x1 = x[..., 0::2], x[..., 1::2]
+    L = x.shape[-2]
+    c, s = cos[:L].to(x.dtype), sin[:L].to(x.dtype)
+    return torch.stack((x0 * c - x1 * s, x0 * s + x1 * c), dim=-1).flatten(-2)
+
+
+class Attention(nn.Module):
+    def __init__(self, spec: ModelSpec) -> None:
+        super().__init__()
+        d = spec.d_model
+        self.n_heads = spec.n_heads
+        self.wq = nn.Linear(d, d, bias=False)
+        self.wk = nn.Linear(d, d, bias=False)
+        self.wv = nn.Linear(d, d, bias=False)
+        self.wo = nn.Linear(d, d, bias=False)  # writes the residual stream
+
+    def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+        b, L, d = x.shape
+        hd = d // self.n_heads
+
+        def heads(t: torch.Tensor) -> torch.Tensor:
+            return t.view(b, L, self.n_heads, hd).transpose(1, 2)  # (b, h, L, hd)
+
+        q, k, v = heads(self.wq(x)), heads(self.wk(x)), heads(self.wv(x))
+        q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
+        y = F.scaled_dot_product_attention(q, k, v, is_causal=True)  # (b, h, L, hd)
+        return self.wo(y.transpose(1, 2).reshape(b, L, d))
+
+
+class SwiGLU(nn.Module):
+    def __init__(self, spec: ModelSpec) -> None:
+        super().__init__()
+        self.w_gate = nn.Linear(spec.d_model, spec.d_ff, bias=False)
+        self.w_up = nn.Linear(spec.d_model, spec.d_ff, bias=False)
+        self.w_down = nn.Linear(spec.d_ff, spec.d_model, bias=False)  # writes the residual stream
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.w_down(F.silu(self.w_gate(x)) * self.w_up(x))
+
+
+class Block(nn.Module):
+    def __init__(self, spec: ModelSpec) -> None:
+        super().__init__()
+        self.attn_norm = RMSNorm(spec.d_model)
+        self.attn = Attention(spec)
+        self.mlp_norm = RMSNorm(spec.d_model)
+        self.mlp = SwiGLU(spec)
+
+    def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+        x = x + self.attn(self.attn_norm(x), cos, sin)
+        return x + self.mlp(self.mlp_norm(x))
+
+
+class Stage(nn.Module):
+    """Layers [start, end) of the model; first stage takes token ids, last returns logits."""
+
+    def __init__(self, spec: ModelSpec, start: int, end: int, *, first: bool, last: bool) -> None:
+        super().__init__()
+        if not 0 <= start < end <= spec.n_layers:
+            raise ValueError(f"layer range [{start}, {end}) is outside the model's {spec.n_layers} layers")
+        self.spec, self.start, self.end, self.first, self.last = spec, start, end, first, last
+        self.embed = nn.Embedding(spec.vocab, spec.d_model) if first else None
+        self.layers = nn.ModuleDict({str(i): Block(spec) for i in range(start, end)})
+        self.norm = RMSNorm(spec.d_model) if last else None
+        self.head = nn.Linear(spec.d_model, spec.vocab, bias=False) if last else None
+        cos, sin = rope_tables(spec.seq_len, spec.d_model // spec.n_heads, spec.rope_theta)
+        self.register_buffer("rope_cos", cos, persistent=False)
+        self.register_buffer("rope_sin", sin, persistent=False)
+        init_weights_(self, spec)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        """First stage: x is (b, L) token ids; otherwise (b, L, d) hidden states.
+        Returns (b, L, vocab) logits on the last stage, else (b, L, d) hidden states."""
+        h = self.embed(x) if self.embed is not None else x
+        for block in self.layers.values():
+            h = block(h, self.rope_cos, self.rope_sin)
+        if self.head is not None and self.norm is not None:
+            return self.head(self.norm(h))
+        return h
+
+
+def init_weights_(module: nn.Module, spec: ModelSpec) -> None:
+    """Seed each parameter by (init_seed, its global name): the same weights under any stage split."""
+    residual_std = 0.02 / math.sqrt(2 * spec.n_layers)  # GPT-2 scaling of residual writes
+    with torch.no_grad():
+        for name, p in module.named_parameters():
+            g = torch.Generator().manual_seed(spec.init_seed * 1_000_003 + zlib.crc32(name.encode()))
+            if name.endswith("norm.weight"):
+                p.fill_(1.0)
+            elif name.endswith(("wo.weight", "w_down.weight")):
+                p.copy_(torch.randn(p.shape, generator=g) * residual_std)
+            else:
+                p.copy_(torch.randn(p.shape, generator=g) * 0.02)
+
+
+def build_stage(spec: ModelSpec, ranges: list[tuple[int, int]], stage: int) -> Stage:
+    start, end = ranges[stage]
+    return Stage(spec, start, end, first=stage == 0, last=stage == len(ranges) - 1)
+
+
+def build_full_model(spec: ModelSpec) -> Stage:
+    return Stage(spec, 0, spec.n_layers, first=True, last=True)
+
+
+def lm_loss(logits: torch.Tensor, tokens: torch.Tensor) -> torch.Tensor:
+    """Mean next-token cross-entropy in nats; tokens is (b, L+1), logits (b, L, V)."""
+    return F.cross_entropy(logits.reshape(-1, logits.shape[-1]).float(), tokens[:, 1:].reshape(-1))

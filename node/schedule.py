@@ -1,0 +1,171 @@
+"""One training step of a pipeline stage: 1F1B over M microbatches, with sends/receives on threaded links.
+
+Stage s of S runs `warmup = min(S - s - 1, M)` forwards, then alternates one forward and one backward,
+then drains the remaining backwards (PipeDream-Flush / Megatron 1F1B, arXiv 2104.04473): at most
+`warmup + 1` microbatches' activations are alive, and sends overlap compute on the link threads.
+Every microbatch crosses a boundary in one message each way, carrying the (possibly subspace-compressed)
+tensor and, forward, the token ids, so the last stage has its targets and T[x] can be rebuilt.
+"""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass, field
+from typing import Protocol
+
+import torch
+
+from node.model import Stage, lm_loss
+from node.transport import Link
+from protocol.schema import ProtocolError
+
+
+class BoundaryCodec(Protocol):
+    """How a stage boundary encodes activations (forward) and activation-gradients (backward)."""
+
+    def pack_fwd(self, kind: str, step: int, mb: int, h: torch.Tensor, tokens: torch.Tensor) -> bytes: ...
+    def unpack_fwd(self, data: bytes) -> tuple[str, int, int, torch.Tensor, torch.Tensor]: ...
+    def pack_bwd(self, step: int, mb: int, g: torch.Tensor) -> bytes: ...
+    def unpack_bwd(self, data: bytes) -> tuple[int, int, torch.Tensor]: ...
+
+
+class ScheduleError(ProtocolError):
+    """A neighbour sent a message for the wrong step or microbatch."""
+
+
+@dataclass
+class StepStats:
+    loss: float | None = None
+    """Mean training loss (nats) over the step's microbatches; last stage only."""
+    compute_s: float = 0.0
+    wait_s: float = 0.0
+    """Time blocked on receives (link latency/bandwidth not hidden by compute)."""
+    extra: dict[str, float] = field(default_factory=dict)
+
+
+@dataclass
+class _InFlight:
+    mb: int
+    inp: torch.Tensor | None  # leaf on non-first stages (its grad goes upstream)
+    out: torch.Tensor  # hidden state sent downstream, or the loss on the last stage
+
+
+class PipelineStage:
+    """Runs this node's stage of the pipeline for training steps and evaluations."""
+
+    def __init__(
+        self,
+        module: Stage,
+        *,
+        stage: int,
+        n_stages: int,
+        prev: Link | None,
+        next: Link | None,
+        codec_in: BoundaryCodec | None,
+        codec_out: BoundaryCodec | None,
+        recv_timeout_s: float,
+    ) -> None:
+        self.module, self.stage, self.n_stages = module, stage, n_stages
+        self.prev, self.next = prev, next
+        self.codec_in, self.codec_out = codec_in, codec_out
+        self.recv_timeout_s = recv_timeout_s
+        self.first, self.last = stage == 0, stage == n_stages - 1
+
+    # --- receive helpers (timed) ------------------------------------------------------------------
+    def _recv_fwd(self, stats: StepStats, kind: str, step: int, mb: int) -> tuple[torch.Tensor, torch.Tensor]:
+        assert self.prev is not None and self.codec_in is not None
+        t = time.perf_counter()
+        data = self.prev.recv(self.recv_timeout_s)
+        stats.wait_s += time.perf_counter() - t
+        got_kind, got_step, got_mb, h, tokens = self.codec_in.unpack_fwd(data)
+        if (got_kind, got_step, got_mb) != (kind, step, mb):
+            raise ScheduleError(
+                f"stage {self.stage}: expected {kind} step {step} microbatch {mb} from upstream, "
+                f"got {got_kind} step {got_step} microbatch {got_mb}"
+            )
+        return h, tokens
+
+    def _recv_bwd(self, stats: StepStats, step: int, mb: int) -> torch.Tensor:
+        assert self.next is not None and self.codec_out is not None
+        t = time.perf_counter()
+        data = self.next.recv(self.recv_timeout_s)
+        stats.wait_s += time.perf_counter() - t
+        got_step, got_mb, g = self.codec_out.unpack_bwd(data)
+        if (got_step, got_mb) != (step, mb):
+            raise ScheduleError(
+                f"stage {self.stage}: expected gradient of step {step} microbatch {mb}, got step {got_step} "
+                f"microbatch {got_mb}"
+            )
+        return g
+
+    # --- training ---------------------------------------------------------------------------------
+    def train_step(self, step: int, tokens: torch.Tensor | None, M: int) -> StepStats:
+        """Forward and backward of M microbatches; gradients accumulate in the module's .grad.
+        tokens: (B, L+1) on the first stage, None elsewhere."""
+        stats = StepStats()
+        start = time.perf_counter()
+        mbs = list(tokens.chunk(M)) if tokens is not None else [None] * M
+        warmup = min(self.n_stages - self.stage - 1, M)
+        pending: list[_InFlight] = []
+        losses: list[float] = []
+        for i in range(M):
+            pending.append(self._forward(stats, step, i, mbs[i], M, losses))
+            if i >= warmup:
+                self._backward(stats, step, pending.pop(0))
+        while pending:
+            self._backward(stats, step, pending.pop(0))
+        if self.last:
+            stats.loss = sum(losses)
+        stats.compute_s = time.perf_counter() - start - stats.wait_s
+        return stats
+
+    def _forward(
+        self, stats: StepStats, step: int, mb: int, tokens: torch.Tensor | None, M: int, losses: list[float]
+    ) -> _InFlight:
+        inp: torch.Tensor | None = None
+        if self.first:
+            assert tokens is not None
+            x: torch.Tensor = tokens[:, :-1]  # (b, L) token ids
+        else:
+            h_in, tokens = self._recv_fwd(stats, "train", step, mb)
+            inp = x = h_in.requires_grad_(True)  # (b, L, d) leaf: its grad crosses back upstream
+        out = self.module(x)
+        if self.last:
+            loss = lm_loss(out, tokens) / M  # mean over microbatches
+            losses.append(float(loss.detach()))
+            return _InFlight(mb, inp, loss)
+        assert self.next is not None and self.codec_out is not None
+        self.next.send(self.codec_out.pack_fwd("train", step, mb, out.detach(), tokens))
+        return _InFlight(mb, inp, out)
+
+    def _backward(self, stats: StepStats, step: int, f: _InFlight) -> None:
+        if self.last:
+            f.out.backward()
+        else:
+            g = self._recv_bwd(stats, step, f.mb)
+            f.out.backward(g)
+        if not self.first:
+            assert f.inp is not None and f.inp.grad is not None and self.prev is not None
+            assert self.codec_in is not None
+            self.prev.send(self.codec_in.pack_bwd(step, f.mb, f.inp.grad))
+
+    # --- evaluation -------------------------------------------------------------------------------
+    @torch.no_grad()
+    def evaluate(self, step: int, batches: list[torch.Tensor] | None, n_batches: int) -> float | None:
+        """Mean validation loss (nats) over the batches; returned on the last stage, None elsewhere."""
+        stats = StepStats()
+        total = 0.0
+        for i in range(n_batches):
+            if self.first:
+                assert batches is not None
+                tokens = batches[i]
+                x: torch.Tensor = tokens[:, :-1]
+            else:
+                x, tokens = self._recv_fwd(stats, "eval", step, i)
+            out = self.module(x)
+            if self.last:
+                total += float(lm_loss(out, tokens))
+            else:
+                assert self.next is not None and self.codec_out is not None
+                self.next.send(self.codec_out.pack_fwd("eval", step, i, out, tokens))
+        return total / n_batches if self.last else None

@@ -1,0 +1,210 @@
+"""The run spec: everything every participant of a run must agree on before the first microbatch.
+
+Loaded from the operator's `run.toml` (sections [run], [model], [train], [sync], [pipeline]); signed by
+the coordinator and published at `{run}/spec` in the store and in the DHT.
+"""
+
+from __future__ import annotations
+
+import re
+from dataclasses import dataclass, field, fields, replace
+from pathlib import Path
+from typing import Any, Literal
+
+import tomllib
+
+from protocol.schema import SchemaError, from_dict
+
+_RUN_ID = re.compile(r"^[a-z0-9][a-z0-9-]{0,62}$")
+
+
+@dataclass(kw_only=True, frozen=True)
+class ModelSpec:
+    """A Llama-style decoder (RMSNorm, RoPE, SwiGLU); byte-level vocabulary by default."""
+
+    vocab: int = 256
+    """Vocabulary size; 256 = raw bytes, so loss in bits per token is bits per byte."""
+    d_model: int = 256
+    """Residual width d."""
+    n_layers: int = 4
+    """Transformer blocks, split into contiguous stage ranges."""
+    n_heads: int = 4
+    """Attention heads; d_model must be divisible by it."""
+    d_ff: int = 688
+    """SwiGLU hidden width (about 8/3 d, rounded)."""
+    seq_len: int = 256
+    """Tokens per sequence L."""
+    rope_theta: float = 10000.0
+    """RoPE base frequency."""
+    init_seed: int = 0
+    """Seed of the initial weights; every replica starts from the same ones."""
+
+    def __post_init__(self) -> None:
+        for name in ("vocab", "d_model", "n_layers", "n_heads", "d_ff", "seq_len"):
+            if getattr(self, name) <= 0:
+                raise ValueError(f"model.{name} must be positive, got {getattr(self, name)}")
+        if self.d_model % self.n_heads or (self.d_model // self.n_heads) % 2:
+            raise ValueError(
+                f"model.d_model={self.d_model} must split into n_heads={self.n_heads} heads of even width (RoPE)"
+            )
+
+    @property
+    def n_params(self) -> int:
+        d, f = self.d_model, self.d_ff
+        per_layer = 4 * d * d + 3 * d * f + 2 * d
+        return self.n_layers * per_layer + 2 * self.vocab * d + d
+
+
+@dataclass(kw_only=True, frozen=True)
+class TrainSpec:
+    """Inner optimisation and data, identical on every stage worker."""
+
+    total_steps: int = 300
+    """Inner optimizer steps per replica for the whole run."""
+    batch_size: int = 8
+    """Sequences per replica per inner step (split into microbatches)."""
+    microbatches: int = 4
+    """Microbatches per step M; batch_size must be divisible by it."""
+    lr: float = 3e-3
+    """Inner AdamW peak learning rate."""
+    warmup_steps: int = 30
+    """Linear warm-up steps of the inner learning rate."""
+    weight_decay: float = 0.0
+    """Inner AdamW weight decay."""
+    grad_clip: float = 1.0
+    """Clip each stage's gradient norm to this (0 disables)."""
+    data: str = "stdlib"
+    """Corpus: "stdlib" (the Python standard library's source) or a path/glob of text files."""
+    data_seed: int = 1234
+    """Seed of batch sampling; each replica draws its own stream from it."""
+    val_fraction: float = 0.02
+    """Held-out tail of the corpus for validation bits-per-byte."""
+    eval_batches: int = 4
+    """Validation batches of batch_size sequences per evaluation."""
+
+    def __post_init__(self) -> None:
+        if self.total_steps <= 0 or self.batch_size <= 0 or self.microbatches <= 0:
+            raise ValueError("train.total_steps, batch_size and microbatches must be positive")
+        if self.batch_size % self.microbatches:
+            raise ValueError(
+                f"train.batch_size={self.batch_size} must be divisible by microbatches={self.microbatches}"
+            )
+        if not 0 < self.val_fraction < 0.5:
+            raise ValueError(f"train.val_fraction must be in (0, 0.5), got {self.val_fraction}")
+
+
+@dataclass(kw_only=True, frozen=True)
+class SyncSpec:
+    """Cross-replica synchronisation through the object store (DESIGN section 3)."""
+
+    method: Literal["diloco", "sparseloco"] = "diloco"
+    """Outer method: dense DiLoCo or SparseLoCo (compressed, error feedback)."""
+    H: int = 30
+    """Inner steps per outer round."""
+    alpha: float = 1.0
+    """Outer learning rate."""
+    outer_momentum: float = 0.0
+    """Nesterov momentum of the outer step (DiLoCo uses 0.9 with alpha 0.7; 0 = plain averaging)."""
+    P: int = 1
+    """Streaming fragments per stage (1 = no streaming)."""
+    tau: int = 0
+    """Overlap: inner steps between a fragment's capture and its application (0 <= tau < H)."""
+    timeout_s: float = 60.0
+    """How long a stage waits for the other replicas' fragments before aggregating what arrived."""
+
+    def __post_init__(self) -> None:
+        if self.H <= 0 or self.P <= 0 or self.P > self.H:
+            raise ValueError(f"sync.H={self.H} and sync.P={self.P} must satisfy 0 < P <= H")
+        if not 0 <= self.tau < self.H:
+            raise ValueError(f"sync.tau={self.tau} must satisfy 0 <= tau < H={self.H}")
+        if self.alpha <= 0:
+            raise ValueError(f"sync.alpha must be positive, got {self.alpha}")
+
+
+@dataclass(kw_only=True, frozen=True)
+class PipelineSpec:
+    """Inside-replica pipeline links (DESIGN section 4)."""
+
+    link_k: list[int] = field(default_factory=list)
+    """Subspace width k of each stage boundary (S-1 values); empty = dense links."""
+    projection_seed: int = 7
+    """Seed of the shared orthonormal basis U and token table T."""
+    wire_dtype: Literal["float32", "bfloat16", "float16"] = "float32"
+    """Dtype of activations and activation-gradients on the wire."""
+    bandwidth_mbps: float = 0.0
+    """In-process link shaper: bandwidth per direction in Mbit/s (0 = unshaped)."""
+    delay_ms: float = 0.0
+    """In-process link shaper: one-way delay in milliseconds."""
+    recv_timeout_s: float = 120.0
+    """A stage gives up on a silent neighbour after this long."""
+
+
+@dataclass(kw_only=True, frozen=True)
+class RunSpec:
+    """One training run: R replicas x S stages of one model."""
+
+    run_id: str
+    """Store prefix and DHT namespace of the run: lowercase letters, digits and dashes."""
+    replicas: int = 2
+    """R: data-parallel pipeline replicas."""
+    stages: int = 2
+    """S: pipeline stages per replica (one node each)."""
+    model: ModelSpec = field(default_factory=ModelSpec)
+    train: TrainSpec = field(default_factory=TrainSpec)
+    sync: SyncSpec = field(default_factory=SyncSpec)
+    pipeline: PipelineSpec = field(default_factory=PipelineSpec)
+    eval_every: int = 1
+    """Validate on the consensus weights every this many outer rounds (0 = only at start and end)."""
+
+    def __post_init__(self) -> None:
+        if not _RUN_ID.match(self.run_id):
+            raise ValueError(
+                f"run_id {self.run_id!r} must be 1-63 lowercase letters, digits or dashes (example: tiny-llama-1)"
+            )
+        if self.replicas <= 0 or self.stages <= 0:
+            raise ValueError(f"replicas={self.replicas} and stages={self.stages} must be positive")
+        if self.stages > self.model.n_layers:
+            raise ValueError(f"stages={self.stages} exceeds model.n_layers={self.model.n_layers}")
+        if self.pipeline.link_k and len(self.pipeline.link_k) != self.stages - 1:
+            raise ValueError(
+                f"pipeline.link_k has {len(self.pipeline.link_k)} values; a {self.stages}-stage pipeline "
+                f"has {self.stages - 1} links"
+            )
+        for k in self.pipeline.link_k:
+            if not 0 < k <= self.model.d_model:
+                raise ValueError(f"pipeline.link_k value {k} must be in 1..d_model={self.model.d_model}")
+
+    @property
+    def rounds(self) -> int:
+        return self.train.total_steps // self.sync.H
+
+    def layer_ranges(self) -> list[tuple[int, int]]:
+        """Contiguous [start, end) layer ranges per stage, as even as possible."""
+        n, s = self.model.n_layers, self.stages
+        bounds = [round(i * n / s) for i in range(s + 1)]
+        return [(bounds[i], bounds[i + 1]) for i in range(s)]
+
+
+def load_run_spec(path: str | Path, **overrides: Any) -> RunSpec:
+    """Load a run.toml into a RunSpec; errors name the file and the bad field."""
+    try:
+        with open(path, "rb") as f:
+            data = tomllib.load(f)
+    except FileNotFoundError as e:
+        raise ValueError(f"run spec file {path} does not exist (see docs/examples/run.toml)") from e
+    except tomllib.TOMLDecodeError as e:
+        raise ValueError(f"run spec file {path} is not valid TOML: {e}") from e
+    flat = dict(data.pop("run", {}))
+    flat.update(data)
+    flat.update(overrides)
+    try:
+        return from_dict(RunSpec, flat)
+    except SchemaError as e:
+        raise ValueError(f"{path}: {e}") from e
+
+
+def with_changes(spec: RunSpec, **changes: Any) -> RunSpec:
+    return replace(spec, **changes)
+
+
+__all__ = ["ModelSpec", "PipelineSpec", "RunSpec", "SyncSpec", "TrainSpec", "fields", "load_run_spec"]

@@ -1,0 +1,141 @@
+"""Thin S3-compatible object store client (Cloudflare R2 in production; moto's server on loopback by default).
+
+boto3 does the protocol; this adds byte accounting, conditional writes for the coordinator lease
+(If-None-Match / If-Match -> 412 on conflict), and errors that say what to check.
+"""
+
+from __future__ import annotations
+
+import os
+import threading
+from dataclasses import dataclass
+
+import boto3
+import botocore.config
+import botocore.exceptions
+
+
+class StoreError(RuntimeError):
+    """The object store could not be reached or refused a request."""
+
+
+@dataclass(kw_only=True, frozen=True)
+class StoreConfig:
+    """Where the run's objects live."""
+
+    endpoint_url: str
+    """S3 endpoint, e.g. https://<account>.r2.cloudflarestorage.com or http://127.0.0.1:9000."""
+    bucket: str = "crucible"
+    """Bucket holding every run (each under its own prefix)."""
+    access_key: str = ""
+    """Access key id; empty = AWS_ACCESS_KEY_ID from the environment."""
+    secret_key: str = ""
+    """Secret key; empty = AWS_SECRET_ACCESS_KEY from the environment."""
+    region: str = "auto"
+    """Region name (R2 uses "auto")."""
+
+
+class ObjectStore:
+    """Byte-counting boto3 wrapper; thread-safe (boto3 clients are)."""
+
+    def __init__(self, cfg: StoreConfig, *, timeout_s: float = 30.0) -> None:
+        self.cfg = cfg
+        self.bucket = cfg.bucket
+        self.client = boto3.client(
+            "s3",
+            endpoint_url=cfg.endpoint_url,
+            aws_access_key_id=cfg.access_key or os.environ.get("AWS_ACCESS_KEY_ID", "crucible"),
+            aws_secret_access_key=cfg.secret_key or os.environ.get("AWS_SECRET_ACCESS_KEY", "crucible"),
+            region_name=cfg.region if cfg.region != "auto" else "us-east-1",
+            config=botocore.config.Config(
+                connect_timeout=timeout_s, read_timeout=timeout_s, retries={"max_attempts": 3}
+            ),
+        )
+        self._lock = threading.Lock()
+        self.bytes_up = 0
+        self.bytes_down = 0
+
+    def _count(self, up: int = 0, down: int = 0) -> None:
+        with self._lock:
+            self.bytes_up += up
+            self.bytes_down += down
+
+    def _fail(self, what: str, e: Exception) -> StoreError:
+        return StoreError(
+            f"object store {self.cfg.endpoint_url} bucket {self.bucket!r}: {what} failed: {e}. "
+            "Check the endpoint URL, credentials and that the bucket exists"
+        )
+
+    def ensure_bucket(self) -> None:
+        try:
+            self.client.head_bucket(Bucket=self.bucket)
+        except botocore.exceptions.ClientError:
+            try:
+                self.client.create_bucket(Bucket=self.bucket)
+            except botocore.exceptions.ClientError as e:
+                if e.response["Error"]["Code"] not in ("BucketAlreadyOwnedByYou", "BucketAlreadyExists"):
+                    raise self._fail("create bucket", e) from e
+        except botocore.exceptions.EndpointConnectionError as e:
+            raise self._fail("connect", e) from e
+
+    def put(self, key: str, data: bytes) -> str:
+        try:
+            r = self.client.put_object(Bucket=self.bucket, Key=key, Body=data)
+        except (botocore.exceptions.ClientError, botocore.exceptions.BotoCoreError) as e:
+            raise self._fail(f"PUT {key}", e) from e
+        self._count(up=len(data))
+        return str(r["ETag"])
+
+    def put_if_absent(self, key: str, data: bytes) -> str | None:
+        """Create `key` only if it does not exist; returns the ETag, or None if it already existed."""
+        return self._conditional_put(key, data, IfNoneMatch="*")
+
+    def put_if_match(self, key: str, data: bytes, etag: str) -> str | None:
+        """Replace `key` only if its ETag is still `etag`; returns the new ETag, or None on a lost race."""
+        return self._conditional_put(key, data, IfMatch=etag)
+
+    def _conditional_put(self, key: str, data: bytes, **cond: str) -> str | None:
+        try:
+            r = self.client.put_object(Bucket=self.bucket, Key=key, Body=data, **cond)
+        except botocore.exceptions.ClientError as e:
+            if e.response["Error"]["Code"] in ("PreconditionFailed", "412", "ConditionalRequestConflict"):
+                return None
+            raise self._fail(f"conditional PUT {key}", e) from e
+        except botocore.exceptions.BotoCoreError as e:
+            raise self._fail(f"conditional PUT {key}", e) from e
+        self._count(up=len(data))
+        return str(r["ETag"])
+
+    def get_with_etag(self, key: str) -> tuple[bytes, str] | None:
+        try:
+            r = self.client.get_object(Bucket=self.bucket, Key=key)
+            data = r["Body"].read()
+        except botocore.exceptions.ClientError as e:
+            if e.response["Error"]["Code"] in ("NoSuchKey", "404"):
+                return None
+            raise self._fail(f"GET {key}", e) from e
+        except botocore.exceptions.BotoCoreError as e:
+            raise self._fail(f"GET {key}", e) from e
+        self._count(down=len(data))
+        return data, str(r["ETag"])
+
+    def get(self, key: str) -> bytes | None:
+        found = self.get_with_etag(key)
+        return None if found is None else found[0]
+
+    def list(self, prefix: str) -> list[str]:
+        keys: list[str] = []
+        try:
+            for page in self.client.get_paginator("list_objects_v2").paginate(
+                Bucket=self.bucket, Prefix=prefix
+            ):
+                keys.extend(obj["Key"] for obj in page.get("Contents", []))
+        except (botocore.exceptions.ClientError, botocore.exceptions.BotoCoreError) as e:
+            raise self._fail(f"LIST {prefix}", e) from e
+        return keys
+
+    def delete(self, key: str) -> None:
+        try:
+            self.client.delete_object(Bucket=self.bucket, Key=key)
+        except (botocore.exceptions.ClientError, botocore.exceptions.BotoCoreError) as e:
+            raise self._fail(f"DELETE {key}", e) from e

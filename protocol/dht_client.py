@@ -67,6 +67,7 @@ class DHTClient:
                 initial_peers=peers or None,
                 host_maddrs=[f"/ip4/{host}/tcp/{port}"],
                 identity_path=str(key_path),
+                check_if_identity_free=False,  # hivemind parses only RSA keys there; ours are Ed25519
                 start=True,
                 startup_timeout=startup_timeout_s,
                 **{k: v for k, v in kwargs.items() if v},
@@ -87,9 +88,11 @@ class DHTClient:
     def visible_maddrs(self) -> list[str]:
         return [str(a) for a in self.dht.get_visible_maddrs()]
 
-    def publish(self, key: str, subkey: str, body: object, ttl_s: float) -> bool:
-        """Sign `body` and store it under key/subkey until now + ttl_s."""
-        data = seal(self.identity, body)
+    def publish(
+        self, key: str, subkey: str, body: object, ttl_s: float, signer: Identity | None = None
+    ) -> bool:
+        """Sign `body` (with `signer`, default this peer's identity) and store it under key/subkey until now + ttl_s."""
+        data = seal(signer or self.identity, body)
         return bool(self.dht.store(key, data, expiration_time=get_dht_time() + ttl_s, subkey=subkey))
 
     def publish_raw(self, key: str, value: bytes, ttl_s: float) -> bool:

@@ -57,7 +57,9 @@ def seal(identity: Identity, body: Any) -> bytes:
     )
 
 
-def open_envelope(data: bytes, cls: type[T], trusted: set[bytes] | None = None) -> Signed[T]:
+def open_envelope(
+    data: bytes, cls: type[T], trusted: set[bytes] | None = None, max_bytes: int = MAX_ENVELOPE_BYTES
+) -> Signed[T]:
     """Verify and decode an envelope holding a `cls` message.
 
     trusted: if given, the signer's public key must be in it (e.g. the operator key for assignments).
@@ -65,8 +67,8 @@ def open_envelope(data: bytes, cls: type[T], trusted: set[bytes] | None = None) 
     """
     if not isinstance(data, (bytes, bytearray, memoryview)):
         raise SchemaError(f"envelope: expected bytes, got {type(data).__name__}")
-    if len(data) > MAX_ENVELOPE_BYTES:
-        raise SchemaError(f"envelope: {len(data)} bytes exceeds the {MAX_ENVELOPE_BYTES}-byte limit")
+    if len(data) > max_bytes:
+        raise SchemaError(f"envelope: {len(data)} bytes exceeds the {max_bytes}-byte limit")
     try:
         env = msgpack.unpackb(data, raw=False, strict_map_key=True)
     except Exception as e:  # msgpack raises several unrelated types on garbage

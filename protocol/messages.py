@@ -93,6 +93,9 @@ class Assignment:
     prev: Endpoint | None = None
     next: Endpoint | None = None
     spec: RunSpec
+    stage_peers: dict[str, str] = field(default_factory=dict)
+    """Replica index (as a string) -> peer id of the node serving this stage in that replica; the signer
+    every cross-replica fragment of this stage must carry."""
     start_step: int = 0
     """Inner step to start from (a replacement resumes from the latest consensus checkpoint)."""
     issued_at: float = 0.0

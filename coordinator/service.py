@@ -1,0 +1,260 @@
+"""The coordinator daemon: takes launched runs' leases, places nodes, signs and publishes assignments,
+watches progress, and finishes or stops runs. Lightweight: all state it needs is in the DHT and the store,
+so another eligible coordinator can take over a run when the lease expires (with a higher term).
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+import time
+from dataclasses import dataclass, field, replace
+
+import msgpack
+
+from coordinator.lease import HeldLease, renew, try_acquire
+from coordinator.placement import Placement, PlacementError, place
+from protocol import keys
+from protocol.dht_client import DHTClient, dht_time
+from protocol.envelope import open_envelope, seal
+from protocol.identity import Identity
+from protocol.messages import Assignment, Endpoint, NodeAdvert, RunControl, RunRecord
+from protocol.schema import ProtocolError
+from protocol.store import ObjectStore, StoreError
+
+log = logging.getLogger(__name__)
+ACTIVE = ("pending", "running", "stopping")
+
+
+@dataclass
+class ManagedRun:
+    record: RunRecord
+    lease: HeldLease
+    placement: Placement | None = None
+    assignments: dict[str, Assignment] = field(default_factory=dict)
+    epoch: int = 0
+    started: float = 0.0
+    missing_since: dict[str, float] = field(default_factory=dict)
+
+
+class Coordinator:
+    def __init__(
+        self,
+        identity: Identity,
+        dht: DHTClient,
+        store: ObjectStore,
+        *,
+        lease_s: float = 15.0,
+        record_ttl_s: float = 60.0,
+        tick_s: float = 1.0,
+        churn_grace_s: float = 10.0,
+    ) -> None:
+        self.identity, self.dht, self.store = identity, dht, store
+        self.trusted = {identity.public_key}
+        self.lease_s, self.record_ttl_s, self.tick_s, self.churn_grace_s = (
+            lease_s,
+            record_ttl_s,
+            tick_s,
+            churn_grace_s,
+        )
+        self.runs: dict[str, ManagedRun] = {}
+        self.stop_event = threading.Event()
+        self._last_publish = 0.0
+
+    # --- views --------------------------------------------------------------------------------------
+    def adverts(self) -> dict[str, NodeAdvert]:
+        out = {}
+        for peer, signed in self.dht.get_all(keys.NODES_KEY, NodeAdvert).items():
+            if signed.signer_id == signed.body.peer_id == peer:  # a node may only advertise itself
+                out[peer] = signed.body
+        return out
+
+    def busy_peers(self) -> set[str]:
+        return {
+            p
+            for run in self.runs.values()
+            if run.record.state in ACTIVE and run.placement
+            for p in run.placement.slots.values()
+        }
+
+    # --- lifecycle ----------------------------------------------------------------------------------
+    def tick(self) -> None:
+        records = {rid: s.body for rid, s in self.dht.get_all(keys.RUNS_KEY, RunRecord, self.trusted).items()}
+        for rid, rec in records.items():
+            if rid not in self.runs and rec.state in ACTIVE:
+                held = try_acquire(self.store, self.identity, rid, self.lease_s)
+                if held:
+                    log.info("run %s: took the lease (term %d)", rid, held.lease.term)
+                    self.runs[rid] = ManagedRun(
+                        record=replace(rec, term=held.lease.term, coordinator=self.identity.peer_id),
+                        lease=held,
+                    )
+        adverts = self.adverts()
+        for rid, run in list(self.runs.items()):
+            if run.record.state not in ACTIVE:
+                continue
+            held = renew(self.store, self.identity, run.lease, self.lease_s)
+            if held is None:
+                log.warning("run %s: lost the lease to another coordinator; letting go", rid)
+                del self.runs[rid]
+                continue
+            run.lease = held
+            self._check_control(run)
+            if run.record.state == "pending":
+                self._try_place(run, adverts)
+            elif run.record.state == "running":
+                self._watch(run, adverts)
+            elif run.record.state == "stopping":
+                self._watch_stop(run, adverts)
+        self._publish(force=False)
+
+    def _set_state(self, run: ManagedRun, state: str) -> None:
+        log.info("run %s: %s -> %s", run.record.spec.run_id, run.record.state, state)
+        run.record = replace(run.record, state=state, updated=dht_time())  # type: ignore[arg-type]
+        self._publish(force=True)
+
+    def _check_control(self, run: ManagedRun) -> None:
+        data = self.store.get(keys.control_key(run.record.spec.run_id))
+        if data is None or run.record.state == "stopping":
+            return
+        try:
+            ctl = open_envelope(data, RunControl, self.trusted).body
+        except ProtocolError as e:
+            log.warning("run %s: ignoring control object: %s", run.record.spec.run_id, e)
+            return
+        if ctl.action == "stop":
+            self._set_state(run, "stopping" if run.placement else "stopped")
+
+    def _try_place(self, run: ManagedRun, adverts: dict[str, NodeAdvert]) -> None:
+        spec = run.record.spec
+        busy = self.busy_peers()
+        free = [
+            a for a in adverts.values() if a.peer_id not in busy and a.state in ("idle", "done", "failed")
+        ]
+        try:
+            run.placement = place(free, spec.replicas, spec.stages)
+        except PlacementError as e:
+            if time.monotonic() - run.started > 10:
+                log.info("run %s waiting for nodes: %s", spec.run_id, e)
+                run.started = time.monotonic()
+            return
+        run.epoch += 1
+        self._assign(run, adverts, set(run.placement.slots))
+        run.started = time.monotonic()
+        self._set_state(run, "running")
+
+    def _assign(
+        self,
+        run: ManagedRun,
+        adverts: dict[str, NodeAdvert],
+        slots: set[tuple[int, int]],
+        start_step: int = 0,
+    ) -> None:
+        spec, pl = run.record.spec, run.placement
+        assert pl is not None
+        ranges = spec.layer_ranges()
+
+        def ep(r: int, s: int) -> Endpoint | None:
+            if not 0 <= s < spec.stages:
+                return None
+            return adverts[pl.peer(r, s)].endpoint
+
+        for r, s in sorted(slots):
+            peer = pl.peer(r, s)
+            a = Assignment(
+                run_id=spec.run_id,
+                term=run.lease.lease.term,
+                epoch=run.epoch,
+                peer_id=peer,
+                replica=r,
+                stage=s,
+                layers=list(ranges[s]),
+                prev=ep(r, s - 1),
+                next=ep(r, s + 1),
+                spec=spec,
+                stage_peers={str(rr): pl.peer(rr, s) for rr in range(spec.replicas)},
+                start_step=start_step,
+                issued_at=dht_time(),
+            )
+            run.assignments[peer] = a
+        blob = msgpack.packb([seal(self.identity, a) for a in run.assignments.values()])
+        try:
+            self.store.put(keys.assign_key(spec.run_id, run.lease.lease.term, run.epoch), blob)
+            self.store.put(keys.spec_key(spec.run_id), seal(self.identity, run.record))
+        except StoreError as e:
+            log.warning("run %s: could not archive assignments in the store: %s", spec.run_id, e)
+        for peer, a in run.assignments.items():
+            self.dht.publish_raw(keys.assignment_key(peer), seal(self.identity, a), self.record_ttl_s)
+        log.info(
+            "run %s: assigned %d nodes (term %d, epoch %d)",
+            spec.run_id,
+            len(slots),
+            run.lease.lease.term,
+            run.epoch,
+        )
+
+    def _watch(self, run: ManagedRun, adverts: dict[str, NodeAdvert]) -> None:
+        spec, pl = run.record.spec, run.placement
+        assert pl is not None
+        now = time.monotonic()
+        done = 0
+        for peer in pl.slots.values():
+            a = adverts.get(peer)
+            if a is None or (a.run_id != spec.run_id and now - run.started > 30):
+                first = run.missing_since.setdefault(peer, now)
+                if now - first > self.churn_grace_s and first > 0:
+                    log.warning(
+                        "run %s: node %s is gone; its replica drops out, the others continue",
+                        spec.run_id,
+                        peer[-8:],
+                    )
+                    run.missing_since[peer] = -1.0  # logged once
+                continue
+            run.missing_since.pop(peer, None)
+            if a.run_id == spec.run_id and a.state == "done":
+                done += 1
+        gone = sum(1 for v in run.missing_since.values() if v < 0)
+        if done and done + gone >= len(pl.slots):
+            self._set_state(run, "done")
+
+    def _watch_stop(self, run: ManagedRun, adverts: dict[str, NodeAdvert]) -> None:
+        pl = run.placement
+        if pl is None or all(
+            (a := adverts.get(p)) is None or a.run_id != run.record.spec.run_id or a.state != "training"
+            for p in pl.slots.values()
+        ):
+            self._set_state(run, "stopped")
+
+    def _publish(self, *, force: bool) -> None:
+        if not force and time.monotonic() - self._last_publish < self.record_ttl_s / 4:
+            return
+        self._last_publish = time.monotonic()
+        for rid, run in self.runs.items():
+            self.dht.publish(keys.RUNS_KEY, rid, run.record, self.record_ttl_s, signer=self.identity)
+            if run.record.state in ACTIVE:
+                for peer, a in run.assignments.items():
+                    self.dht.publish_raw(keys.assignment_key(peer), seal(self.identity, a), self.record_ttl_s)
+
+    def serve(self) -> None:
+        while not self.stop_event.is_set():
+            try:
+                self.tick()
+            except Exception as e:  # a flaky store or DHT must not take the coordinator down
+                log.warning("coordinator tick failed (will retry): %s", e)
+            self.stop_event.wait(self.tick_s)
+
+
+def launch(
+    dht: DHTClient, store: ObjectStore, identity: Identity, record: RunRecord, ttl_s: float = 60.0
+) -> None:
+    """Publish a pending run for the coordinators (signed by the operator)."""
+    store.ensure_bucket()
+    store.put(keys.spec_key(record.spec.run_id), seal(identity, record))
+    dht.publish(keys.RUNS_KEY, record.spec.run_id, record, ttl_s, signer=identity)
+
+
+def request_stop(store: ObjectStore, identity: Identity, run_id: str) -> None:
+    store.put(
+        keys.control_key(run_id),
+        seal(identity, RunControl(run_id=run_id, action="stop", issued_at=time.time())),
+    )

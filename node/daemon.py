@@ -1,0 +1,278 @@
+"""The node daemon: joins the DHT, advertises capacity, takes signed assignments and runs its stage.
+
+Threads: the main thread polls the DHT for this node's assignment and its run's state; the advert thread
+refreshes the signed advert before its TTL runs out; the worker thread trains; link, acceptor and
+health threads serve I/O. SIGINT/SIGTERM stop the worker at the next step boundary, then everything
+closes in order and the process exits 0.
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+import time
+from dataclasses import dataclass, field
+from functools import lru_cache
+
+from node.acceptor import Acceptor
+from node.data import Corpus
+from node.health import HealthServer
+from node.probe import device_name, measure_store_mbps, measure_tflops, memory_gb
+from node.transport import LinkError, listen
+from node.worker import StageWorker, WorkerMetrics
+from protocol import keys
+from protocol.dht_client import DHTClient, dht_time
+from protocol.identity import Identity, public_key_of_peer_id
+from protocol.messages import Assignment, NodeAdvert, RunRecord
+from protocol.schema import ProtocolError
+from protocol.store import ObjectStore, StoreConfig, StoreError
+
+log = logging.getLogger(__name__)
+VERSION = "0.1.0"
+
+
+@dataclass(kw_only=True, frozen=True)
+class NodeConfig:
+    """How a node joins the swarm and what it offers. Loaded from TOML ([node], [store]) and CLI flags."""
+
+    bootstrap: list[str] = field(default_factory=list)
+    """Multiaddrs of DHT peers to join through; empty = start a new swarm."""
+    host: str = "127.0.0.1"
+    """Address to listen on (pipeline TCP, DHT, health)."""
+    announce_host: str = ""
+    """Address other nodes should dial (default: host)."""
+    port: int = 0
+    """Pipeline TCP port (0 = any free port)."""
+    dht_port: int = 0
+    """DHT (libp2p) TCP port (0 = any free port)."""
+    health_port: int = 0
+    """HTTP health/metrics port (0 = any free port)."""
+    key_file: str = "~/.crucible/node.key"
+    """Ed25519 identity seed; created on first start. The peer id is derived from it."""
+    operator_key: str = ""
+    """Peer id (12D3KooW...) of the swarm operator whose signatures on runs and assignments are trusted.
+    Empty = accept any validly signed assignment (local experiments only; a warning is logged)."""
+    price_per_hour: float = 0.0
+    """What this host costs, USD per hour (advertised for placement and $/Mtok)."""
+    store: StoreConfig | None = None
+    """The object store the run synchronises through."""
+    advert_ttl_s: float = 30.0
+    """DHT advert lifetime; refreshed every third of it."""
+    poll_s: float = 1.0
+    """How often to look for a new assignment or a stop request."""
+    torch_threads: int = 0
+    """torch intra-op threads (0 = torch's default)."""
+
+    def __post_init__(self) -> None:
+        if self.advert_ttl_s < 3:
+            raise ValueError(f"advert_ttl_s must be at least 3 s, got {self.advert_ttl_s}")
+        if self.operator_key:
+            try:
+                public_key_of_peer_id(self.operator_key)
+            except ProtocolError as e:
+                raise ValueError(
+                    f"operator_key {self.operator_key!r}: {e} (give the operator's 12D3KooW... peer id)"
+                ) from e
+
+
+@lru_cache(maxsize=2)
+def _corpus(source: str, val_fraction: float) -> Corpus:
+    return Corpus.load(source, val_fraction)
+
+
+class NodeDaemon:
+    def __init__(self, cfg: NodeConfig, identity: Identity) -> None:
+        self.cfg, self.identity = cfg, identity
+        self.trusted = {public_key_of_peer_id(cfg.operator_key)} if cfg.operator_key else None
+        if self.trusted is None:
+            log.warning(
+                "no --operator-key given: accepting assignments signed by ANY key (local experiments only)"
+            )
+        self.stop_event = threading.Event()
+        self.metrics = WorkerMetrics()
+        self.assignment: Assignment | None = None
+        self._stop_reason: str | None = None
+        self._worker_thread: threading.Thread | None = None
+        self.store = ObjectStore(cfg.store) if cfg.store else None
+        self.server = listen(cfg.host, cfg.port)
+        self.acceptor = Acceptor(self.server)
+        self.dht = DHTClient(identity, bootstrap=cfg.bootstrap, host=cfg.host, port=cfg.dht_port)
+        self.health = HealthServer(cfg.host, cfg.health_port, self.status)
+        self.tflops = measure_tflops()
+        self.store_mbps = measure_store_mbps(self.store) if self.store else 0.0
+        self._advert_thread = threading.Thread(target=self._advert_loop, name="advert", daemon=True)
+
+    @property
+    def peer_id(self) -> str:
+        return self.identity.peer_id
+
+    # --- advert -----------------------------------------------------------------------------------
+    def advert(self) -> NodeAdvert:
+        m = self.metrics
+        return NodeAdvert(
+            peer_id=self.peer_id,
+            version=VERSION,
+            device=device_name(),
+            memory_gb=round(memory_gb(), 2),
+            tflops=round(self.tflops, 4),
+            price_per_hour=self.cfg.price_per_hour,
+            host=self.cfg.announce_host or self.cfg.host,
+            port=self.acceptor.port,
+            health_port=self.health.port,
+            store_mbps=round(self.store_mbps, 1),
+            state=m.state,  # type: ignore[arg-type]
+            run_id=m.run_id,
+            replica=m.replica,
+            stage=m.stage,
+            step=m.step,
+            loss=m.loss,
+            val_bpb=m.val_bpb,
+            tokens_per_s=round(m.tokens_per_s, 1),
+            bytes_pipe=m.bytes_pipe_sent + m.bytes_pipe_recv,
+            bytes_store=m.bytes_store_up + m.bytes_store_down,
+            timestamp=dht_time(),
+        )
+
+    def _advert_loop(self) -> None:
+        while not self.stop_event.is_set():
+            try:
+                self.dht.publish(keys.NODES_KEY, self.peer_id, self.advert(), self.cfg.advert_ttl_s)
+            except Exception as e:  # the DHT being briefly unreachable must not kill the node
+                log.warning("advert refresh failed (will retry): %s", e)
+            self.stop_event.wait(min(self.cfg.advert_ttl_s / 3, 5.0))
+
+    def status(self) -> dict:
+        a = self.assignment
+        return {
+            "peer_id": self.peer_id,
+            "state": self.metrics.state,
+            "pipeline": f"{self.cfg.announce_host or self.cfg.host}:{self.acceptor.port}",
+            "tflops": self.tflops,
+            "store_mbps": self.store_mbps,
+            "assignment": None
+            if a is None
+            else {
+                "run_id": a.run_id,
+                "term": a.term,
+                "epoch": a.epoch,
+                "replica": a.replica,
+                "stage": a.stage,
+            },
+            "metrics": self.metrics.as_dict(),
+        }
+
+    # --- assignments ------------------------------------------------------------------------------
+    def _poll_assignment(self) -> Assignment | None:
+        signed = self.dht.get_one(keys.assignment_key(self.peer_id), Assignment, self.trusted)
+        if signed is None:
+            return None
+        a = signed.body
+        if a.peer_id != self.peer_id:
+            log.warning("ignoring assignment for %s found under this node's key", a.peer_id)
+            return None
+        cur = self.assignment
+        if cur is not None and a.run_id == cur.run_id and (a.term, a.epoch) <= (cur.term, cur.epoch):
+            if (a.term, a.epoch) < (cur.term, cur.epoch):
+                log.info(
+                    "ignoring stale assignment term %d epoch %d (holding %d/%d)",
+                    a.term,
+                    a.epoch,
+                    cur.term,
+                    cur.epoch,
+                )
+            return None
+        if a.stage == -1:  # released by the coordinator
+            return a
+        if self.store is None:
+            log.error(
+                "assignment to run %s ignored: this node has no object store configured (--store-endpoint)",
+                a.run_id,
+            )
+            return None
+        return a
+
+    def _run_state(self, run_id: str) -> str | None:
+        runs = self.dht.get_all(keys.RUNS_KEY, RunRecord, self.trusted)
+        rec = runs.get(run_id)
+        return rec.body.state if rec else None
+
+    def _start_worker(self, a: Assignment) -> None:
+        self.assignment = a
+        self._stop_reason = None
+        self.metrics = WorkerMetrics(state="assigned", run_id=a.run_id, replica=a.replica, stage=a.stage)
+        assert self.store is not None
+        worker = StageWorker(
+            a,
+            identity=self.identity,
+            store=self.store,
+            acceptor=self.acceptor,
+            corpus_loader=_corpus,
+            metrics=self.metrics,
+            should_stop=lambda: self._stop_reason,
+        )
+
+        def run() -> None:
+            try:
+                reason = worker.run()
+                log.info("run %s replica %d stage %d: %s", a.run_id, a.replica, a.stage, reason)
+            except (LinkError, ProtocolError, StoreError, TimeoutError, RuntimeError) as e:
+                self.metrics.state, self.metrics.error = "failed", str(e)
+                log.error(
+                    "run %s replica %d stage %d failed: %s (waiting for a new assignment)",
+                    a.run_id,
+                    a.replica,
+                    a.stage,
+                    e,
+                )
+
+        log.info(
+            "assigned to run %s: replica %d, stage %d, layers %s (term %d, epoch %d)",
+            a.run_id,
+            a.replica,
+            a.stage,
+            a.layers,
+            a.term,
+            a.epoch,
+        )
+        self._worker_thread = threading.Thread(target=run, name="worker", daemon=True)
+        self._worker_thread.start()
+
+    def _stop_worker(self, reason: str, timeout_s: float = 60.0) -> None:
+        t = self._worker_thread
+        if t is None or not t.is_alive():
+            return
+        self._stop_reason = reason
+        t.join(timeout_s)
+        if t.is_alive():
+            log.warning("worker did not stop within %.0f s", timeout_s)
+
+    # --- main loop --------------------------------------------------------------------------------
+    def serve(self) -> None:
+        self._advert_thread.start()
+        last_run_check = 0.0
+        while not self.stop_event.is_set():
+            try:
+                new = self._poll_assignment()
+                if new is not None:
+                    self._stop_worker("reassigned")
+                    if new.stage == -1:
+                        self.assignment, self.metrics = new, WorkerMetrics()
+                    else:
+                        self._start_worker(new)
+                a, t = self.assignment, self._worker_thread
+                if a is not None and t is not None and t.is_alive() and time.monotonic() - last_run_check > 2:
+                    last_run_check = time.monotonic()
+                    if self._run_state(a.run_id) in ("stopping", "stopped"):
+                        log.info("run %s stopped by its operator", a.run_id)
+                        self._stop_reason = "stopped by operator"
+            except Exception as e:  # keep serving: a bad record or a DHT hiccup must not kill the node
+                log.warning("assignment poll failed (will retry): %s", e)
+            self.stop_event.wait(self.cfg.poll_s)
+
+    def shutdown(self) -> None:
+        """Ordered clean-up: worker, advert, acceptor, health, DHT."""
+        self.stop_event.set()
+        self._stop_worker("node shutting down", timeout_s=30)
+        self.acceptor.close()
+        self.health.close()
+        self.dht.shutdown()

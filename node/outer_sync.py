@@ -1,0 +1,256 @@
+"""Cross-replica outer loop through the object store: capture -> upload/fetch -> apply, per fragment.
+
+DiLoCo (arXiv 2311.08105) / SparseLoCo (arXiv 2508.15706) with Streaming DiLoCo's fragments and overlap
+(arXiv 2501.18512). The stage's parameters are split into P strided fragments; with q = floor(H/P),
+fragment f is captured at inner step c_f = (f+1) q of each H-step cycle and applied at a_f = c_f + tau:
+
+    Delta_r   = theta_anchor - theta_local(c_f)          # pseudo-gradient (codec may compress it)
+    Delta_bar = aggregate({decode(c_j) : j arrived})     # over replicas whose fragment arrived in time
+    theta_anchor <- theta_anchor - alpha * Delta_bar     # (DiLoCo: Nesterov momentum on Delta_bar)
+    theta(a_f)  <- theta_anchor + (theta(a_f) - theta(c_f))   # keep the tau steps of local drift
+
+Upload and fetch run on a background I/O thread while training goes on for tau steps; applying blocks
+only for what is still in flight, and that wait is recorded.
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+import time
+from collections.abc import Callable
+from concurrent.futures import Future, ThreadPoolExecutor
+from dataclasses import dataclass, field
+from typing import Protocol
+
+import torch
+
+from protocol import keys
+from protocol.schema import ProtocolError
+from protocol.store import ObjectStore, StoreError
+
+log = logging.getLogger(__name__)
+
+
+@dataclass(frozen=True)
+class FragmentId:
+    run_id: str
+    stage: int
+    fragment: int
+    round: int
+    replica: int
+
+
+class FragmentCodec(Protocol):
+    """Turns a fragment's pseudo-gradient into signed wire bytes and back."""
+
+    def encode(self, fid: FragmentId, delta: list[torch.Tensor]) -> tuple[bytes, list[torch.Tensor]]:
+        """Wire bytes, and the contribution exactly as receivers will decode it."""
+        ...
+
+    def decode(
+        self, fid: FragmentId, data: bytes, shapes: list[torch.Size], signer: str
+    ) -> list[torch.Tensor]:
+        """Validate (signature by `signer`, header, shapes, finiteness) and decode; raise ProtocolError."""
+        ...
+
+
+Aggregator = Callable[[dict[int, list[torch.Tensor]]], list[torch.Tensor]]
+
+
+def mean_aggregate(contribs: dict[int, list[torch.Tensor]]) -> list[torch.Tensor]:
+    """Mean over arrived replicas, summed in replica order so every replica gets bit-identical results."""
+    order = sorted(contribs)
+    out = [t.clone() for t in contribs[order[0]]]
+    for r in order[1:]:
+        for o, t in zip(out, contribs[r], strict=True):
+            o.add_(t)
+    for o in out:
+        o.div_(len(order))
+    return out
+
+
+@dataclass
+class _Pending:
+    fid: FragmentId
+    theta_at_capture: list[torch.Tensor]
+    future: Future[dict[int, list[torch.Tensor]]]
+    apply_step: int
+
+
+@dataclass
+class SyncStats:
+    rounds_applied: int = 0
+    bytes_up: int = 0
+    bytes_down: int = 0
+    wait_s: float = 0.0
+    """Training time blocked waiting for transfers still in flight at apply time."""
+    rejected: int = 0
+    """Fragments that failed validation and were dropped."""
+    missing: int = 0
+    """Expected fragments that had not arrived by the deadline."""
+    last_contributors: list[int] = field(default_factory=list)
+
+
+class OuterSync:
+    """Streaming outer optimiser for one stage worker."""
+
+    def __init__(
+        self,
+        params: list[torch.nn.Parameter],
+        *,
+        store: ObjectStore,
+        codec: FragmentCodec,
+        run_id: str,
+        stage: int,
+        replica: int,
+        stage_peers: dict[int, str],
+        H: int,
+        P: int,
+        tau: int,
+        alpha: float,
+        momentum: float = 0.0,
+        timeout_s: float = 60.0,
+        aggregate: Aggregator = mean_aggregate,
+        poll_s: float = 0.1,
+    ) -> None:
+        if not 0 <= tau < H or not 0 < P <= H:
+            raise ValueError(f"need 0 <= tau < H and 0 < P <= H, got H={H} P={P} tau={tau}")
+        self.params = params
+        self.store, self.codec = store, codec
+        self.run_id, self.stage, self.replica = run_id, stage, replica
+        self.stage_peers = dict(stage_peers)
+        self.H, self.P, self.tau, self.alpha, self.momentum = H, P, tau, alpha, momentum
+        self.timeout_s, self.poll_s = timeout_s, poll_s
+        self.aggregate = aggregate
+        # strided fragments spread big and small tensors evenly: param i belongs to fragment i % P
+        self.fragments = [list(range(f, len(params), P)) for f in range(P)]
+        self.q = H // P
+        self.anchor = [p.detach().clone() for p in params]
+        self.outer_m = [torch.zeros_like(p) for p in params] if momentum > 0 else []
+        self.stats = SyncStats()
+        self._pending: list[_Pending] = []
+        self._io = ThreadPoolExecutor(max_workers=2, thread_name_prefix="outer-io")
+        self._lock = threading.Lock()
+
+    # --- schedule ---------------------------------------------------------------------------------
+    def capture_offset(self, f: int) -> int:
+        """c_f = (f + 1) * floor(H / P), in inner steps from the start of the cycle."""
+        return (f + 1) * self.q
+
+    def after_inner_step(self, step: int) -> list[int]:
+        """Call after inner step `step` (1-based count of completed steps). Returns fragments applied."""
+        applied = []
+        for p in [p for p in self._pending if p.apply_step == step]:
+            self._apply(p)
+            self._pending.remove(p)
+            applied.append(p.fid.fragment)
+        rnd, pos = divmod(step, self.H)
+        for f in range(self.P):
+            c_f = self.capture_offset(f)
+            # c_f == H means the cycle's last step, i.e. pos 0 of the next cycle
+            if (pos == c_f % self.H) and step > 0:
+                cycle = rnd - 1 if c_f == self.H else rnd
+                self._capture(f, cycle, step)
+        # tau == 0: the capture is applied at once, blocking for the whole transfer
+        for p in [p for p in self._pending if p.apply_step == step]:
+            self._apply(p)
+            self._pending.remove(p)
+            applied.append(p.fid.fragment)
+        return applied
+
+    def finish(self) -> None:
+        """Apply whatever is still pending (end of run) and stop the I/O thread."""
+        for p in list(self._pending):
+            self._apply(p)
+        self._pending.clear()
+        self._io.shutdown(wait=True)
+
+    # --- phases -----------------------------------------------------------------------------------
+    def _capture(self, f: int, rnd: int, step: int) -> None:
+        idx = self.fragments[f]
+        with torch.no_grad():
+            theta = [self.params[i].detach().clone() for i in idx]
+            delta = [self.anchor[i] - t for i, t in zip(idx, theta, strict=True)]  # Delta = anchor - local
+        fid = FragmentId(self.run_id, self.stage, f, rnd, self.replica)
+        data, own = self.codec.encode(fid, delta)
+        shapes = [self.params[i].shape for i in idx]
+        fut = self._io.submit(self._exchange, fid, data, own, shapes)
+        self._pending.append(_Pending(fid, theta, fut, step + self.tau))
+
+    def _exchange(
+        self, fid: FragmentId, data: bytes, own: list[torch.Tensor], shapes: list[torch.Size]
+    ) -> dict[int, list[torch.Tensor]]:
+        """I/O thread: upload ours, then fetch every other replica's until all arrived or the deadline."""
+        contribs = {fid.replica: own}
+        try:
+            self.store.put(keys.sync_key(fid.run_id, fid.stage, fid.fragment, fid.round, fid.replica), data)
+        except StoreError as e:
+            log.warning("upload of %s failed (the other replicas will go on without it): %s", fid, e)
+        self._count(up=len(data))
+        deadline = time.monotonic() + self.timeout_s
+        prefix = keys.sync_prefix(fid.run_id, fid.stage, fid.fragment, fid.round)
+        rejected: set[int] = set()
+        while True:
+            wanted = set(self.stage_peers) - set(contribs) - rejected
+            if not wanted or time.monotonic() > deadline:
+                break
+            try:
+                present = {
+                    int(k.rsplit("/", 1)[1]) for k in self.store.list(prefix) if k.rsplit("/", 1)[1].isdigit()
+                }
+            except StoreError as e:
+                log.warning("listing %s failed: %s", prefix, e)
+                present = set()
+            for r in sorted(wanted & present):
+                blob = self.store.get(keys.sync_key(fid.run_id, fid.stage, fid.fragment, fid.round, r))
+                if blob is None:
+                    continue
+                self._count(down=len(blob))
+                other = FragmentId(fid.run_id, fid.stage, fid.fragment, fid.round, r)
+                try:
+                    contribs[r] = self.codec.decode(other, blob, shapes, self.stage_peers[r])
+                except ProtocolError as e:
+                    rejected.add(r)
+                    with self._lock:
+                        self.stats.rejected += 1
+                    log.warning("rejected fragment of replica %d for %s: %s", r, fid, e)
+            if set(self.stage_peers) - set(contribs) - rejected:
+                time.sleep(self.poll_s)
+        missing = set(self.stage_peers) - set(contribs) - rejected
+        if missing:
+            with self._lock:
+                self.stats.missing += len(missing)
+            log.warning(
+                "round %d fragment %d: replicas %s did not arrive within %.0f s; aggregating %s",
+                fid.round,
+                fid.fragment,
+                sorted(missing),
+                self.timeout_s,
+                sorted(contribs),
+            )
+        return contribs
+
+    def _apply(self, p: _Pending) -> None:
+        t = time.perf_counter()
+        contribs = p.future.result()
+        with self._lock:
+            self.stats.wait_s += time.perf_counter() - t
+            self.stats.rounds_applied += 1
+            self.stats.last_contributors = sorted(contribs)
+        delta_bar = self.aggregate(contribs)
+        idx = self.fragments[p.fid.fragment]
+        with torch.no_grad():
+            for j, i in enumerate(idx):
+                update = delta_bar[j]
+                if self.momentum > 0:  # Nesterov: m <- mu m + g; step along g + mu m
+                    self.outer_m[i].mul_(self.momentum).add_(update)
+                    update = update + self.momentum * self.outer_m[i]
+                self.anchor[i].sub_(self.alpha * update)
+                drift = self.params[i].detach() - p.theta_at_capture[j]  # theta(a_f) - theta(c_f)
+                self.params[i].copy_(self.anchor[i] + drift)
+
+    def _count(self, up: int = 0, down: int = 0) -> None:
+        with self._lock:
+            self.stats.bytes_up += up
+            self.stats.bytes_down += down

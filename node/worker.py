@@ -1,0 +1,311 @@
+"""Runs one assignment: this node's stage of one replica, from start_step to the run's last step.
+
+Per inner step: 1F1B over M microbatches through the pipeline links, AdamW, then the outer loop's
+capture/apply schedule; validation on consensus weights at round boundaries; progress in `metrics`.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import io
+import logging
+import math
+import time
+from collections.abc import Callable
+from dataclasses import asdict, dataclass, field
+
+import torch
+
+from node.acceptor import Acceptor
+from node.boundary import DenseBoundary
+from node.data import Corpus
+from node.model import Stage, build_stage
+from node.outer_sync import FragmentCodec, FragmentId, OuterSync
+from node.schedule import PipelineStage
+from node.transport import Link, Shaper, connect
+from protocol import keys
+from protocol.dense_fragment import decode_dense, encode_dense
+from protocol.envelope import seal
+from protocol.framing import encode_frame
+from protocol.identity import Identity
+from protocol.messages import Assignment, Hello
+from protocol.runspec import RunSpec
+from protocol.store import ObjectStore
+
+log = logging.getLogger(__name__)
+LN2 = math.log(2)
+
+
+@dataclass
+class WorkerMetrics:
+    """Live progress of the current assignment (read by the advert loop and the health server)."""
+
+    state: str = "idle"
+    run_id: str = ""
+    replica: int = -1
+    stage: int = -1
+    step: int = 0
+    total_steps: int = 0
+    loss: float | None = None
+    val_bpb: float | None = None
+    val_history: list[tuple[int, float]] = field(default_factory=list)
+    tokens_per_s: float = 0.0
+    bytes_pipe_sent: int = 0
+    bytes_pipe_recv: int = 0
+    bytes_store_up: int = 0
+    bytes_store_down: int = 0
+    pipe_wait_s: float = 0.0
+    sync_wait_s: float = 0.0
+    compute_s: float = 0.0
+    rounds: int = 0
+    fragments_rejected: int = 0
+    fragments_missing: int = 0
+    weights_sha256: str = ""
+    error: str = ""
+
+    def as_dict(self) -> dict:
+        return asdict(self)
+
+
+class DenseCodec(FragmentCodec):
+    """DiLoCo's dense fp32 pseudo-gradient, signed by the uploading node."""
+
+    def __init__(self, identity: Identity) -> None:
+        self.identity = identity
+
+    def encode(self, fid: FragmentId, delta: list[torch.Tensor]) -> tuple[bytes, list[torch.Tensor]]:
+        return encode_dense(self.identity, _header(fid), delta), [d.float() for d in delta]
+
+    def decode(
+        self, fid: FragmentId, data: bytes, shapes: list[torch.Size], signer: str
+    ) -> list[torch.Tensor]:
+        return decode_dense(data, _header(fid), shapes, signer)
+
+
+def _header(fid: FragmentId) -> dict:
+    return {
+        "run_id": fid.run_id,
+        "stage": fid.stage,
+        "fragment": fid.fragment,
+        "round": fid.round,
+        "replica": fid.replica,
+    }
+
+
+def lr_at(step: int, spec: RunSpec) -> float:
+    """Linear warm-up, then cosine decay to 10% of the peak at the last step."""
+    t = spec.train
+    if step < t.warmup_steps:
+        return t.lr * (step + 1) / t.warmup_steps
+    progress = (step - t.warmup_steps) / max(1, t.total_steps - t.warmup_steps)
+    return t.lr * (0.1 + 0.45 * (1 + math.cos(math.pi * min(1.0, progress))))
+
+
+def weights_digest(module: torch.nn.Module) -> str:
+    h = hashlib.sha256()
+    for name, p in sorted(module.state_dict().items()):
+        h.update(name.encode())
+        h.update(p.detach().float().contiguous().numpy().tobytes())
+    return h.hexdigest()
+
+
+class StageWorker:
+    """One assignment's training loop."""
+
+    def __init__(
+        self,
+        assignment: Assignment,
+        *,
+        identity: Identity,
+        store: ObjectStore,
+        acceptor: Acceptor,
+        corpus_loader: Callable[[str, float], Corpus],
+        metrics: WorkerMetrics,
+        should_stop: Callable[[], str | None],
+        connect_timeout_s: float = 120.0,
+    ) -> None:
+        self.a = assignment
+        self.spec = assignment.spec
+        self.identity, self.store, self.acceptor = identity, store, acceptor
+        self.corpus_loader = corpus_loader
+        self.m = metrics
+        self.should_stop = should_stop
+        self.connect_timeout_s = connect_timeout_s
+        self.prev: Link | None = None
+        self.next: Link | None = None
+
+    # --- set-up -----------------------------------------------------------------------------------
+    def _shaper(self) -> Shaper:
+        p = self.spec.pipeline
+        return Shaper(bandwidth_mbps=p.bandwidth_mbps, delay_ms=p.delay_ms)
+
+    def _open_links(self) -> None:
+        a = self.a
+        if a.next is not None:
+            sock = connect(a.next.host, a.next.port, timeout_s=self.connect_timeout_s)
+            hello = Hello(
+                run_id=a.run_id,
+                term=a.term,
+                epoch=a.epoch,
+                replica=a.replica,
+                stage=a.stage,
+                peer_id=self.identity.peer_id,
+            )
+            sock.sendall(encode_frame(seal(self.identity, hello)))
+            self.next = Link(sock, f"{a.next.peer_id[-8:]} (stage {a.stage + 1})", shaper=self._shaper())
+        if a.prev is not None:
+            _, sock = self.acceptor.take(
+                a.run_id, a.prev.peer_id, a.replica, a.stage - 1, self.connect_timeout_s
+            )
+            self.prev = Link(sock, f"{a.prev.peer_id[-8:]} (stage {a.stage - 1})", shaper=self._shaper())
+
+    def _close_links(self) -> None:
+        for link in (self.prev, self.next):
+            if link is not None:
+                link.flush(5.0)
+                link.close()
+
+    def _boundary(self) -> DenseBoundary:
+        ms = self.spec.model
+        return DenseBoundary(ms.d_model, ms.seq_len, ms.vocab, self.spec.pipeline.wire_dtype)
+
+    def _load_checkpoint(self, module: Stage, step: int) -> None:
+        blob = self.store.get(keys.ckpt_key(self.a.run_id, step, self.a.stage))
+        if blob is None:
+            raise RuntimeError(
+                f"no consensus checkpoint at step {step} for stage {self.a.stage}; cannot resume"
+            )
+        module.load_state_dict(torch.load(io.BytesIO(blob), weights_only=True))
+
+    def _save_checkpoint(self, module: Stage, step: int) -> None:
+        buf = io.BytesIO()
+        torch.save(module.state_dict(), buf)
+        self.store.put(keys.ckpt_key(self.a.run_id, step, self.a.stage), buf.getvalue())
+        self.store.put(keys.ckpt_latest_key(self.a.run_id, self.a.stage), str(step).encode())
+
+    # --- the loop ---------------------------------------------------------------------------------
+    def run(self) -> str:
+        """Train to the end (returns "done") or until should_stop() says why (returns that reason)."""
+        a, spec, m = self.a, self.spec, self.m
+        torch.manual_seed(spec.model.init_seed)
+        module = build_stage(spec.model, spec.layer_ranges(), a.stage)
+        if a.start_step > 0:
+            self._load_checkpoint(module, a.start_step)
+        first = a.stage == 0
+        corpus = self.corpus_loader(spec.train.data, spec.train.val_fraction) if first else None
+        val = (
+            corpus.val_batches(spec.train.eval_batches, spec.train.batch_size, spec.model.seq_len)
+            if corpus
+            else None
+        )
+        params = [p for p in module.parameters()]
+        opt = torch.optim.AdamW(
+            params, lr=spec.train.lr, betas=(0.9, 0.95), weight_decay=spec.train.weight_decay
+        )
+        sync = OuterSync(
+            params,
+            store=self.store,
+            codec=DenseCodec(self.identity),
+            run_id=a.run_id,
+            stage=a.stage,
+            replica=a.replica,
+            stage_peers={int(r): p for r, p in a.stage_peers.items()},
+            H=spec.sync.H,
+            P=spec.sync.P,
+            tau=spec.sync.tau,
+            alpha=spec.sync.alpha,
+            momentum=spec.sync.outer_momentum,
+            timeout_s=spec.sync.timeout_s,
+        )
+        m.state, m.total_steps, m.step = "training", spec.train.total_steps, a.start_step
+        self._open_links()
+        codec = self._boundary()
+        pipe = PipelineStage(
+            module,
+            stage=a.stage,
+            n_stages=spec.stages,
+            prev=self.prev,
+            next=self.next,
+            codec_in=codec if self.prev else None,
+            codec_out=codec if self.next else None,
+            recv_timeout_s=spec.pipeline.recv_timeout_s,
+        )
+        tokens_per_step = spec.train.batch_size * spec.model.seq_len
+        result = "done"
+        try:
+            self._evaluate(pipe, a.start_step, val)
+            window_t, window_steps = time.perf_counter(), 0
+            for step in range(a.start_step, spec.train.total_steps):
+                reason = self.should_stop()
+                if reason:
+                    result = reason
+                    break
+                for g in opt.param_groups:
+                    g["lr"] = lr_at(step, spec)
+                opt.zero_grad(set_to_none=True)
+                batch = (
+                    corpus.train_batch(
+                        spec.train.data_seed, a.replica, step, spec.train.batch_size, spec.model.seq_len
+                    )
+                    if corpus
+                    else None
+                )
+                stats = pipe.train_step(step, batch, spec.train.microbatches)
+                if spec.train.grad_clip > 0:
+                    torch.nn.utils.clip_grad_norm_(params, spec.train.grad_clip)
+                opt.step()
+                sync.after_inner_step(step + 1)
+                m.step, m.compute_s, m.pipe_wait_s = (
+                    step + 1,
+                    m.compute_s + stats.compute_s,
+                    m.pipe_wait_s + stats.wait_s,
+                )
+                if stats.loss is not None:
+                    m.loss = stats.loss
+                window_steps += 1
+                now = time.perf_counter()
+                if now - window_t > 2.0:
+                    m.tokens_per_s = window_steps * tokens_per_step / (now - window_t)
+                    window_t, window_steps = now, 0
+                self._update_io(sync)
+                if (step + 1) % spec.sync.H == 0:
+                    rnd = (step + 1) // spec.sync.H
+                    m.rounds = rnd
+                    if a.replica == min(int(r) for r in a.stage_peers):
+                        self._save_checkpoint(module, step + 1)
+                    if spec.eval_every and rnd % spec.eval_every == 0 and step + 1 < spec.train.total_steps:
+                        self._evaluate(pipe, step + 1, val)
+            sync.finish()
+            self._update_io(sync)
+            if result == "done":
+                self._evaluate(pipe, m.step, val)
+                m.weights_sha256 = weights_digest(module)
+                self._report()
+        finally:
+            self._close_links()
+        m.state = "done" if result == "done" else "idle"
+        return result
+
+    def _evaluate(self, pipe: PipelineStage, step: int, val: list[torch.Tensor] | None) -> None:
+        loss = pipe.evaluate(step, val, self.spec.train.eval_batches)
+        if loss is not None:
+            bpb = loss / LN2  # byte-level vocabulary: bits per token = bits per byte
+            self.m.val_bpb = bpb
+            self.m.val_history.append((step, bpb))
+            log.info("replica %d step %d: validation %.4f bits/byte", self.a.replica, step, bpb)
+
+    def _update_io(self, sync: OuterSync) -> None:
+        m = self.m
+        m.bytes_pipe_sent = sum(link.bytes_sent for link in (self.prev, self.next) if link)
+        m.bytes_pipe_recv = sum(link.bytes_recv for link in (self.prev, self.next) if link)
+        m.bytes_store_up, m.bytes_store_down = sync.stats.bytes_up, sync.stats.bytes_down
+        m.sync_wait_s = sync.stats.wait_s
+        m.fragments_rejected, m.fragments_missing = sync.stats.rejected, sync.stats.missing
+
+    def _report(self) -> None:
+        import json
+
+        self.store.put(
+            keys.report_key(self.a.run_id, self.a.replica, self.a.stage),
+            json.dumps(self.m.as_dict()).encode(),
+        )

@@ -1,0 +1,289 @@
+"""`crucible-coordinator plan`: predict tokens/s, MFU, tax and $/Mtok of a pool, or price a measurement.
+
+Wiring: `coordinator/cli.py` calls `add_parser(subparsers)`; the parsed namespace carries `func=run`.
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import json
+import sys
+from collections.abc import Sequence
+from typing import Any
+
+from coordinator.accelerators import ACCELERATORS
+from coordinator.planner import (
+    MODELS,
+    Economics,
+    HostGroup,
+    Pool,
+    Prediction,
+    ReferenceCluster,
+    RunSettings,
+    auto_stages,
+    economics,
+    get_model,
+    load_pool,
+    naive_layout,
+    predict,
+)
+
+DESCRIPTION = """\
+Predict tokens/s, effective MFU, low-bandwidth tax (1 - MFU/ceiling) and $/Mtok for R replicas x S
+stages of a GPU pool, and compare with a reserved cluster. With --measured-tokens-per-s, also price a
+measured throughput on the same GPUs. Formulas: docs/economics.md."""
+
+EXAMPLES = """\
+examples:
+  # predict an 8B run over a mixed pool, 4 stages, replicas from the pool size
+  crucible-coordinator plan --model 8b --pool docs/examples/pool_8b.toml --stages 4
+  # price Test Run 003 from its measured throughput, against AWS p4de.24xlarge Capacity Blocks
+  crucible-coordinator plan --model 8b --gpus 48 --accelerator a100-80gb --usd-per-gpu-hour 1.17 \\
+      --replicas 12 --stages 4 --measured-tokens-per-s 130100 \\
+      --reference-usd-per-hour 17.712 --reference-gpus 8
+"""
+
+
+def add_parser(subparsers: Any) -> argparse.ArgumentParser:
+    """Add the `plan` subcommand to an argparse subparsers object; sets `func=run`."""
+    p = subparsers.add_parser(
+        "plan",
+        help="predict tokens/s, effective MFU, low-bandwidth tax and $/Mtok for a pool",
+        description=DESCRIPTION,
+        epilog=EXAMPLES,
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+    )
+    m = p.add_argument_group("model")
+    m.add_argument("--model", default="8b", choices=sorted(MODELS), help="model preset (example: --model 8b)")
+    m.add_argument(
+        "--seq-len", type=int, help="override the preset's sequence length (example: --seq-len 8192)"
+    )
+    pool = p.add_argument_group("pool: a TOML file, or one homogeneous group given inline")
+    pool.add_argument(
+        "--pool", help="pool file with [[hosts]] tables (example: --pool docs/examples/pool_8b.toml)"
+    )
+    pool.add_argument("--gpus", type=int, help="inline pool: number of single-GPU hosts (example: --gpus 48)")
+    pool.add_argument(
+        "--accelerator",
+        default="a100-80gb",
+        choices=sorted(ACCELERATORS),
+        help="inline pool: accelerator, default a100-80gb (example: --accelerator h100-sxm)",
+    )
+    pool.add_argument(
+        "--tflops", type=float, default=0.0, help="inline pool: measured TFLOP/s per GPU (example: 0.15)"
+    )
+    pool.add_argument(
+        "--link-mbps", type=float, default=1000.0, help="inline pool: link Mbit/s (example: 500)"
+    )
+    pool.add_argument("--rtt-ms", type=float, default=30.0, help="inline pool: link RTT in ms (example: 80)")
+    pool.add_argument(
+        "--store-mbps", type=float, default=1000.0, help="inline pool: store Mbit/s (example: 400)"
+    )
+    pool.add_argument(
+        "--usd-per-gpu-hour", type=float, help="price per GPU-hour; overrides the pool file (example: 1.17)"
+    )
+    t = p.add_argument_group("topology and schedule")
+    t.add_argument(
+        "--replicas", type=int, help="R; default: as many as the pool fills (example: --replicas 12)"
+    )
+    t.add_argument("--stages", type=int, help="S; default: fewest that fit memory (example: --stages 4)")
+    t.add_argument(
+        "--microbatches", type=int, default=16, help="M per inner step (example: --microbatches 16)"
+    )
+    t.add_argument("--microbatch-size", type=int, default=1, help="b, sequences per microbatch (example: 2)")
+    t.add_argument(
+        "--schedule", default="1f1b", choices=["1f1b", "gpipe"], help="pipeline schedule (example: gpipe)"
+    )
+    t.add_argument(
+        "--k", type=int, help="subspace rank on every link; default: chosen per link (example: --k 512)"
+    )
+    t.add_argument("--k-min", type=int, default=32, help="floor of the chosen k (example: --k-min 40)")
+    t.add_argument(
+        "--extra-in-flight", type=int, default=0, help="1F1B microbatches in flight beyond S (example: 4)"
+    )
+    s = p.add_argument_group("SparseLoCo")
+    s.add_argument("--H", type=int, default=30, help="inner steps per outer round (example: --H 30)")
+    s.add_argument("--tau", type=int, default=2, help="overlap steps, 0 <= tau < H (example: --tau 2)")
+    s.add_argument("--fragments", type=int, default=4, help="P, streamed fragments (example: --fragments 4)")
+    s.add_argument("--compression-ratio", type=float, default=200.0, help="dense/wire bytes (example: 146)")
+    e = p.add_argument_group("economics")
+    e.add_argument(
+        "--ceiling", type=float, default=0.65, help="compute ceiling MFU (example: --ceiling 0.65)"
+    )
+    e.add_argument("--measured-tokens-per-s", type=float, help="price this measured rate (example: 130100)")
+    e.add_argument("--reference-usd-per-hour", type=float, help="reserved instance $/h (example: 17.712)")
+    e.add_argument("--reference-gpus", type=int, default=8, help="GPUs per reference instance (example: 8)")
+    e.add_argument("--reference-tflops", type=float, help="reference GPU peak; default ours (example: 989)")
+    e.add_argument("--reference-mfu", type=float, help="MFU it sustains; default --ceiling (example: 0.55)")
+    e.add_argument("--reference-name", default="reference", help="label (example: 'AWS p4de.24xlarge CB')")
+    p.add_argument("--json", action="store_true", help="print one JSON line instead of the report")
+    p.set_defaults(func=run)
+    return p
+
+
+def _pool(args: argparse.Namespace) -> Pool:
+    if args.pool:
+        return load_pool(args.pool)
+    if not args.gpus:
+        raise ValueError("give --pool FILE or --gpus N (example: --gpus 48 --accelerator a100-80gb)")
+    return Pool(
+        hosts=(
+            HostGroup(
+                name=args.accelerator if not args.tflops else "measured",
+                count=args.gpus,
+                accelerator="" if args.tflops else args.accelerator,
+                tflops=args.tflops,
+                usd_per_gpu_hour=args.usd_per_gpu_hour or 0.0,
+                link_mbps=args.link_mbps,
+                rtt_ms=args.rtt_ms,
+                store_mbps=args.store_mbps,
+            ),
+        )
+    )
+
+
+@dataclasses.dataclass(kw_only=True, frozen=True)
+class PlanResult:
+    """What `plan` computed; `as_json` is the --json line."""
+
+    model: str
+    n_params: int
+    replicas: int
+    stages: int
+    unused_hosts: int
+    prediction: Prediction
+    reference: ReferenceCluster | None
+    predicted: Economics
+    """Economics of the predicted throughput (against the reference, if one was given)."""
+    measured: Economics | None
+    """Economics of --measured-tokens-per-s on the same placed GPUs."""
+
+    def as_json(self) -> str:
+        return json.dumps(dataclasses.asdict(self), separators=(",", ":"))
+
+
+def plan(args: argparse.Namespace) -> PlanResult:
+    """Predict the pool's run and price it (and a measurement); raises ValueError on bad input."""
+    shape = get_model(args.model)
+    if args.seq_len:
+        shape = dataclasses.replace(shape, seq_len=args.seq_len)
+    settings = RunSettings(
+        microbatches=args.microbatches,
+        microbatch_size=args.microbatch_size,
+        schedule=args.schedule,
+        k=args.k,
+        k_min=args.k_min,
+        extra_in_flight=args.extra_in_flight,
+        ceiling=args.ceiling,
+        H=args.H,
+        fragments=args.fragments,
+        tau=args.tau,
+        compression_ratio=args.compression_ratio,
+    )
+    hosts = _pool(args).expand(args.usd_per_gpu_hour)
+    S = args.stages or auto_stages(shape, hosts)
+    R = args.replicas or len(hosts) // S
+    pred = predict(shape, naive_layout(shape, hosts, R, S), settings)
+    ref = None
+    if args.reference_usd_per_hour is not None:
+        ref = ReferenceCluster.from_instance(
+            usd_per_hour=args.reference_usd_per_hour,
+            gpus=args.reference_gpus,
+            mfu=args.reference_mfu or args.ceiling,
+            name=args.reference_name,
+        )
+        ref = dataclasses.replace(ref, peak_tflops_per_gpu=args.reference_tflops)
+
+    def price(tokens_per_s: float) -> Economics:
+        return economics(
+            tokens_per_s=tokens_per_s,
+            n_gpus=pred.n_gpus,
+            peak_tflops_per_gpu=pred.peak_tflops / pred.n_gpus,  # means: exact for a mixed pool
+            flops_per_token=pred.flops_per_token,
+            usd_per_gpu_hour=pred.usd_per_hour / pred.n_gpus,
+            ceiling=args.ceiling,
+            reference=ref,
+        )
+
+    return PlanResult(
+        model=args.model,
+        n_params=shape.n_params,
+        replicas=R,
+        stages=S,
+        unused_hosts=len(hosts) - R * S,
+        prediction=pred,
+        reference=ref,
+        predicted=price(pred.tokens_per_s),
+        measured=price(args.measured_tokens_per_s) if args.measured_tokens_per_s else None,
+    )
+
+
+def _si(x: float) -> str:
+    for unit, scale in (("G", 1e9), ("M", 1e6), ("K", 1e3)):
+        if x >= scale:
+            return f"{x / scale:.2f} {unit}"
+    return f"{x:.0f} "
+
+
+def _k(x: float) -> str:
+    return f"{x / 1e3:,.1f}K" if x < 1e6 else f"{x / 1e6:,.2f}M"
+
+
+def report(res: PlanResult) -> str:
+    """The human-readable plan."""
+    p, b = res.prediction, res.prediction.breakdown
+    ks = sorted({ln.k for ln in p.links})
+    slowest = max((ln.transfer_s for ln in p.links), default=0.0)
+    lines = [
+        f"model      {res.model}: {_si(res.n_params).replace('G', 'B')} params, {_si(p.flops_per_token)}FLOP/token",
+        f"topology   {res.replicas} replicas x {res.stages} stages on {p.n_gpus} GPUs "
+        f"({res.unused_hosts} host(s) unused); layers/stage {'/'.join(map(str, p.layers))}",
+        f"links      k {', '.join(map(str, ks)) or 'n/a (one stage)'}; slowest message {slowest * 1e3:.0f} ms; "
+        f"{sum(not ln.hidden for ln in p.links)} of {len(p.links)} not hidden by compute",
+        f"sync       fragment transfer {p.fragment_transfer_s:.2f} s vs overlap window {p.overlap_window_s:.2f} s",
+        f"predicted  {_k(p.tokens_per_s)} tokens/s | MFU {p.effective_mfu:.1%} | tax {p.tax:.1%} | "
+        f"${p.usd_per_mtok:.4f}/Mtok | ${p.usd_per_hour:,.2f}/h",
+        f"breakdown  compute {b.compute:.1%} | imbalance {b.imbalance:.1%} | bubble {b.bubble:.1%} | "
+        f"link wait {b.link_wait:.1%} | sync wait {b.sync_wait:.1%}",
+    ]
+    if res.measured is not None:
+        m = res.measured
+        lines.append(
+            f"measured   {_k(m.tokens_per_s)} tokens/s | MFU {m.effective_mfu:.1%} | tax {m.tax:.1%} | "
+            f"${m.usd_per_mtok:.4f}/Mtok"
+        )
+    for label, e in (("predicted", res.predicted), ("measured", res.measured)):
+        if res.reference is None or e is None or e.saving is None:
+            continue
+        assert e.reference_tokens_per_s and e.break_even_tokens_per_s and e.break_even_mfu is not None
+        lines.append(
+            f"vs {res.reference.name} ({label}): {_k(e.reference_tokens_per_s)} tokens/s at "
+            f"{res.reference.mfu:.0%} MFU, ${e.reference_usd_per_mtok:.4f}/Mtok; ours {abs(e.saving):.1%} {'cheaper' if e.saving >= 0 else 'dearer'}; "
+            f"break-even {_k(e.break_even_tokens_per_s)} tokens/s ({e.break_even_mfu:.1%} MFU)"
+        )
+    lines += [f"warning    {w}" for w in p.warnings]
+    return "\n".join(lines)
+
+
+def run(args: argparse.Namespace) -> int:
+    """Print the plan (or one JSON line with --json); 0 on success, 2 on bad input."""
+    try:
+        out = plan(args)
+    except ValueError as e:
+        print(f"plan: {e}", file=sys.stderr)
+        return 2
+    print(out.as_json() if args.json else report(out))
+    return 0
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    """Stand-alone entry (until coordinator/cli.py wires the subcommand)."""
+    parser = argparse.ArgumentParser(prog="crucible-coordinator")
+    add_parser(parser.add_subparsers(dest="command", required=True))
+    args = parser.parse_args(argv)
+    return int(args.func(args))
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -149,7 +149,11 @@ def format_status(runs: dict[str, RunRecord], nodes: dict[str, NodeAdvert], only
 
 
 def _read_views(dht: DHTClient) -> tuple[dict[str, RunRecord], dict[str, NodeAdvert]]:
-    runs = {k: v.body for k, v in dht.get_all(keys.RUNS_KEY, RunRecord).items()}
+    runs: dict[str, RunRecord] = {}
+    for signed in dht.get_all(keys.RUNS_KEY, RunRecord).values():
+        rec = signed.body
+        if rec.spec.run_id not in runs or rec.updated > runs[rec.spec.run_id].updated:
+            runs[rec.spec.run_id] = rec
     nodes = {k: v.body for k, v in dht.get_all(keys.NODES_KEY, NodeAdvert).items() if v.signer_id == k}
     return runs, nodes
 

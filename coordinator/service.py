@@ -79,7 +79,11 @@ class Coordinator:
 
     # --- lifecycle ----------------------------------------------------------------------------------
     def tick(self) -> None:
-        records = {rid: s.body for rid, s in self.dht.get_all(keys.RUNS_KEY, RunRecord, self.trusted).items()}
+        records: dict[str, RunRecord] = {}
+        for signed in self.dht.get_all(keys.RUNS_KEY, RunRecord, self.trusted).values():
+            rec = signed.body
+            if rec.spec.run_id not in records or rec.updated > records[rec.spec.run_id].updated:
+                records[rec.spec.run_id] = rec
         for rid, rec in records.items():
             if rid not in self.runs and rec.state in ACTIVE:
                 held = try_acquire(self.store, self.identity, rid, self.lease_s)
@@ -184,7 +188,7 @@ class Coordinator:
         except StoreError as e:
             log.warning("run %s: could not archive assignments in the store: %s", spec.run_id, e)
         for peer, a in run.assignments.items():
-            self.dht.publish_raw(keys.assignment_key(peer), seal(self.identity, a), self.record_ttl_s)
+            self.dht.publish(keys.assignment_key(peer), a, self.record_ttl_s, signer=self.identity)
         log.info(
             "run %s: assigned %d nodes (term %d, epoch %d)",
             spec.run_id,
@@ -213,6 +217,8 @@ class Coordinator:
             run.missing_since.pop(peer, None)
             if a.run_id == spec.run_id and a.state == "done":
                 done += 1
+            elif a.run_id == spec.run_id and a.state == "failed":
+                run.missing_since[peer] = -1.0  # its replica dropped out (e.g. a neighbour crashed)
         gone = sum(1 for v in run.missing_since.values() if v < 0)
         if done and done + gone >= len(pl.slots):
             self._set_state(run, "done")
@@ -230,10 +236,10 @@ class Coordinator:
             return
         self._last_publish = time.monotonic()
         for rid, run in self.runs.items():
-            self.dht.publish(keys.RUNS_KEY, rid, run.record, self.record_ttl_s, signer=self.identity)
+            self.dht.publish(keys.RUNS_KEY, run.record, self.record_ttl_s, signer=self.identity, name=rid)
             if run.record.state in ACTIVE:
                 for peer, a in run.assignments.items():
-                    self.dht.publish_raw(keys.assignment_key(peer), seal(self.identity, a), self.record_ttl_s)
+                    self.dht.publish(keys.assignment_key(peer), a, self.record_ttl_s, signer=self.identity)
 
     def serve(self) -> None:
         while not self.stop_event.is_set():
@@ -250,7 +256,7 @@ def launch(
     """Publish a pending run for the coordinators (signed by the operator)."""
     store.ensure_bucket()
     store.put(keys.spec_key(record.spec.run_id), seal(identity, record))
-    dht.publish(keys.RUNS_KEY, record.spec.run_id, record, ttl_s, signer=identity)
+    dht.publish(keys.RUNS_KEY, record, ttl_s, signer=identity, name=record.spec.run_id)
 
 
 def request_stop(store: ObjectStore, identity: Identity, run_id: str) -> None:

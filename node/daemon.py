@@ -89,6 +89,7 @@ class NodeDaemon:
                 "no --operator-key given: accepting assignments signed by ANY key (local experiments only)"
             )
         self.stop_event = threading.Event()
+        self._advert_wake = threading.Event()  # set on state changes: publish now, not at the next refresh
         self.metrics = WorkerMetrics()
         self.assignment: Assignment | None = None
         self._stop_reason: str | None = None
@@ -136,10 +137,11 @@ class NodeDaemon:
     def _advert_loop(self) -> None:
         while not self.stop_event.is_set():
             try:
-                self.dht.publish(keys.NODES_KEY, self.peer_id, self.advert(), self.cfg.advert_ttl_s)
+                self.dht.publish(keys.NODES_KEY, self.advert(), self.cfg.advert_ttl_s)
             except Exception as e:  # the DHT being briefly unreachable must not kill the node
                 log.warning("advert refresh failed (will retry): %s", e)
-            self.stop_event.wait(min(self.cfg.advert_ttl_s / 3, 5.0))
+            self._advert_wake.wait(min(self.cfg.advert_ttl_s / 3, 5.0))
+            self._advert_wake.clear()
 
     def status(self) -> dict:
         a = self.assignment
@@ -163,13 +165,17 @@ class NodeDaemon:
 
     # --- assignments ------------------------------------------------------------------------------
     def _poll_assignment(self) -> Assignment | None:
-        signed = self.dht.get_one(keys.assignment_key(self.peer_id), Assignment, self.trusted)
-        if signed is None:
+        found = [
+            s.body
+            for s in self.dht.get_all(keys.assignment_key(self.peer_id), Assignment, self.trusted).values()
+        ]
+        for a in found:
+            if a.peer_id != self.peer_id:
+                log.warning("ignoring assignment for %s found under this node's key", a.peer_id)
+        mine = [a for a in found if a.peer_id == self.peer_id]
+        if not mine:
             return None
-        a = signed.body
-        if a.peer_id != self.peer_id:
-            log.warning("ignoring assignment for %s found under this node's key", a.peer_id)
-            return None
+        a = max(mine, key=lambda x: (x.issued_at, x.term, x.epoch))
         cur = self.assignment
         if cur is not None and a.run_id == cur.run_id and (a.term, a.epoch) <= (cur.term, cur.epoch):
             if (a.term, a.epoch) < (cur.term, cur.epoch):
@@ -192,9 +198,12 @@ class NodeDaemon:
         return a
 
     def _run_state(self, run_id: str) -> str | None:
-        runs = self.dht.get_all(keys.RUNS_KEY, RunRecord, self.trusted)
-        rec = runs.get(run_id)
-        return rec.body.state if rec else None
+        recs = [
+            s.body
+            for s in self.dht.get_all(keys.RUNS_KEY, RunRecord, self.trusted).values()
+            if s.body.spec.run_id == run_id
+        ]
+        return max(recs, key=lambda r: r.updated).state if recs else None
 
     def _start_worker(self, a: Assignment) -> None:
         self.assignment = a
@@ -272,6 +281,7 @@ class NodeDaemon:
     def shutdown(self) -> None:
         """Ordered clean-up: worker, advert, acceptor, health, DHT."""
         self.stop_event.set()
+        self._advert_wake.set()
         self._stop_worker("node shutting down", timeout_s=30)
         self.acceptor.close()
         self.health.close()

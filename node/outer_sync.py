@@ -140,19 +140,21 @@ class OuterSync:
 
     def after_inner_step(self, step: int) -> list[int]:
         """Call after inner step `step` (1-based count of completed steps). Returns fragments applied."""
-        applied = []
-        for p in [p for p in self._pending if p.apply_step == step]:
-            self._apply(p)
-            self._pending.remove(p)
-            applied.append(p.fid.fragment)
+        self.capture_due(step)
+        return self.apply_due(step)
+
+    def capture_due(self, step: int) -> None:
+        """Capture phase: fragments whose c_f falls on `step` are compressed and handed to the I/O thread."""
         rnd, pos = divmod(step, self.H)
         for f in range(self.P):
             c_f = self.capture_offset(f)
-            # c_f == H means the cycle's last step, i.e. pos 0 of the next cycle
-            if (pos == c_f % self.H) and step > 0:
-                cycle = rnd - 1 if c_f == self.H else rnd
-                self._capture(f, cycle, step)
-        # tau == 0: the capture is applied at once, blocking for the whole transfer
+            # c_f == H is the cycle's last step, i.e. position 0 of the next cycle
+            if step > 0 and pos == c_f % self.H:
+                self._capture(f, rnd - 1 if c_f == self.H else rnd, step)
+
+    def apply_due(self, step: int) -> list[int]:
+        """Apply phase: fragments whose a_f = c_f + tau falls on `step` (blocks for transfers in flight)."""
+        applied = []
         for p in [p for p in self._pending if p.apply_step == step]:
             self._apply(p)
             self._pending.remove(p)

@@ -11,6 +11,7 @@ import hivemind
 from hivemind.utils import get_dht_time
 from multiaddr import Multiaddr
 
+from protocol.dht_validator import SignedSubkeyValidator, subkey_owner
 from protocol.envelope import Signed, open_envelope, seal
 from protocol.identity import Identity
 from protocol.schema import ProtocolError
@@ -67,7 +68,10 @@ class DHTClient:
                 initial_peers=peers or None,
                 host_maddrs=[f"/ip4/{host}/tcp/{port}"],
                 identity_path=str(key_path),
-                check_if_identity_free=False,  # hivemind parses only RSA keys there; ours are Ed25519
+                check_if_identity_free=False,
+                record_validators=[
+                    SignedSubkeyValidator()
+                ],  # hivemind parses only RSA keys there; ours are Ed25519
                 start=True,
                 startup_timeout=startup_timeout_s,
                 **{k: v for k, v in kwargs.items() if v},
@@ -89,20 +93,14 @@ class DHTClient:
         return [str(a) for a in self.dht.get_visible_maddrs()]
 
     def publish(
-        self, key: str, subkey: str, body: object, ttl_s: float, signer: Identity | None = None
+        self, key: str, body: object, ttl_s: float, *, signer: Identity | None = None, name: str = ""
     ) -> bool:
-        """Sign `body` (with `signer`, default this peer's identity) and store it under key/subkey until now + ttl_s."""
-        data = seal(signer or self.identity, body)
+        """Sign `body` (with `signer`, default this peer) and store it until now + ttl_s under the subkey
+        `name@SIGNER` (or `SIGNER`): only the signer can write there (SignedSubkeyValidator)."""
+        ident = signer or self.identity
+        subkey = f"{name}@{ident.peer_id}" if name else ident.peer_id
+        data = seal(ident, body)
         return bool(self.dht.store(key, data, expiration_time=get_dht_time() + ttl_s, subkey=subkey))
-
-    def publish_raw(self, key: str, value: bytes, ttl_s: float) -> bool:
-        return bool(self.dht.store(key, value, expiration_time=get_dht_time() + ttl_s))
-
-    def get_raw(self, key: str) -> bytes | None:
-        found = self.dht.get(key, latest=True)
-        if found is None or not isinstance(found.value, bytes):
-            return None
-        return found.value
 
     def get_all(self, key: str, cls: type[T], trusted: set[bytes] | None = None) -> dict[str, Signed[T]]:
         """All valid signed records under `key`, by subkey; invalid ones are logged and skipped."""
@@ -112,20 +110,20 @@ class DHTClient:
         out: dict[str, Signed[T]] = {}
         for subkey, item in found.value.items():
             try:
-                out[str(subkey)] = open_envelope(item.value, cls, trusted)
+                signed = open_envelope(item.value, cls, trusted)
             except ProtocolError as e:
                 log.warning("ignoring DHT record %s/%s: %s", key, subkey, e)
+                continue
+            if subkey_owner(subkey) != signed.signer_id:
+                log.warning(
+                    "ignoring DHT record %s/%s: signed by %s, not the subkey's owner",
+                    key,
+                    subkey,
+                    signed.signer_id,
+                )
+                continue
+            out[str(subkey)] = signed
         return out
-
-    def get_one(self, key: str, cls: type[T], trusted: set[bytes] | None = None) -> Signed[T] | None:
-        data = self.get_raw(key)
-        if data is None:
-            return None
-        try:
-            return open_envelope(data, cls, trusted)
-        except ProtocolError as e:
-            log.warning("ignoring DHT record %s: %s", key, e)
-            return None
 
     def shutdown(self) -> None:
         try:

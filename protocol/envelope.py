@@ -57,6 +57,19 @@ def seal(identity: Identity, body: Any) -> bytes:
     )
 
 
+def verified_signer(data: bytes) -> bytes:
+    """Check an envelope's signature (not its body's schema); return the signer's public key."""
+    env = msgpack.unpackb(data, raw=False)
+    if not isinstance(env, dict) or not all(
+        isinstance(env.get(f), bytes) for f in ("signer", "payload", "sig")
+    ):
+        raise SchemaError("envelope: missing signer, payload or sig")
+    if not isinstance(env.get("kind"), str):
+        raise SchemaError("envelope.kind: expected str")
+    verify(env["signer"], _DOMAIN + env["kind"].encode() + env["payload"], env["sig"])
+    return bytes(env["signer"])
+
+
 def open_envelope(
     data: bytes, cls: type[T], trusted: set[bytes] | None = None, max_bytes: int = MAX_ENVELOPE_BYTES
 ) -> Signed[T]:

@@ -21,6 +21,7 @@ class Child:
 
     def __init__(self, name: str, args: list[str], log_dir: Path, env: dict[str, str] | None = None) -> None:
         self.name = name
+        self.killed = False
         self.log_path = log_dir / f"{name}.log"
         self._log = open(self.log_path, "wb")  # noqa: SIM115 - closed in stop()
         full_env = dict(os.environ)
@@ -63,6 +64,7 @@ class Child:
 
     def kill(self) -> None:
         """SIGKILL the whole process group (a crash, for fault injection)."""
+        self.killed = True
         with contextlib.suppress(ProcessLookupError):
             os.killpg(self.proc.pid, signal.SIGKILL)
         self.proc.wait(10)

@@ -1,0 +1,303 @@
+"""Real localhost swarms: embedded S3 store, bootstrap peer, coordinator and 4 nodes as OS processes."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+import time
+import urllib.request
+from pathlib import Path
+
+import pytest
+
+from protocol import keys
+from protocol.dht_client import DHTClient, dht_time
+from protocol.envelope import seal
+from protocol.identity import Identity
+from protocol.messages import Assignment
+from protocol.runspec import ModelSpec, RunSpec, SyncSpec, TrainSpec
+from protocol.store import ObjectStore, StoreConfig
+from scripts.local_swarm import Swarm
+
+pytestmark = [pytest.mark.slow, pytest.mark.timeout(600)]
+
+RUN_TOML = """\
+[run]
+run_id = "{run_id}"
+replicas = 2
+stages = 2
+eval_every = 1
+[model]
+d_model = 64
+n_layers = 2
+n_heads = 2
+d_ff = 176
+seq_len = 64
+[train]
+total_steps = {steps}
+batch_size = 4
+microbatches = 2
+lr = 3e-3
+warmup_steps = 2
+eval_batches = 2
+[sync]
+method = "diloco"
+H = {H}
+timeout_s = {timeout}
+"""
+
+
+def wait_until(pred, timeout_s: float, what: str, poll_s: float = 0.5):
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        v = pred()
+        if v:
+            return v
+        time.sleep(poll_s)
+    raise AssertionError(f"timed out after {timeout_s:.0f} s waiting for {what}")
+
+
+def run_metrics(swarm: Swarm, run_id: str) -> list[dict]:
+    return [s["metrics"] for s in swarm.statuses() if s and s["metrics"]["run_id"] == run_id]
+
+
+@pytest.fixture(scope="module")
+def swarm(tmp_path_factory):
+    s = Swarm(tmp_path_factory.mktemp("swarm"), 4)
+    try:
+        s.start()
+        yield s
+    finally:
+        killed = {c.name for c in s.children if c.killed}
+        codes = s.stop()
+        # graceful SIGTERM must give exit 0 for every process still running (the crashed node is excluded)
+        bad = {k: v for k, v in codes.items() if k not in killed and v != 0}
+        assert not bad, f"processes did not exit cleanly: {bad}"
+
+
+def test_two_outer_rounds_identical_consensus(swarm: Swarm, tmp_path: Path) -> None:
+    toml = tmp_path / "run.toml"
+    toml.write_text(RUN_TOML.format(run_id="swarm-a", steps=10, H=5, timeout=60))
+    swarm.launch(toml)
+    ms = wait_until(
+        lambda: (
+            (m := run_metrics(swarm, "swarm-a"))
+            and len(m) == 4
+            and all(x["state"] == "done" for x in m)
+            and m
+        ),
+        300,
+        "4 nodes to finish run swarm-a",
+    )
+    assert all(m["rounds"] == 2 for m in ms)
+    for stage in (0, 1):
+        digests = {m["weights_sha256"] for m in ms if m["stage"] == stage}
+        assert len(digests) == 1 and "" not in digests, f"stage {stage} replicas disagree: {digests}"
+    last = [m for m in ms if m["stage"] == 1]
+    for m in last:  # start, after round 1, end
+        assert len(m["val_history"]) == 3
+        assert m["val_history"][-1][1] < m["val_history"][0][1]
+    assert all(m["bytes_store_up"] > 0 and m["bytes_pipe_sent"] > 0 for m in ms)
+
+    # the store holds the run under its own prefix, listable by an ordinary S3 client (awscli)
+    env = dict(
+        os.environ,
+        AWS_ACCESS_KEY_ID="crucible",
+        AWS_SECRET_ACCESS_KEY="crucible",
+        AWS_DEFAULT_REGION="us-east-1",
+    )
+    ls = subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "awscli",
+            "s3",
+            "ls",
+            "--recursive",
+            "--endpoint-url",
+            swarm.store_url,
+            "s3://crucible/swarm-a/",
+        ],
+        capture_output=True,
+        text=True,
+        timeout=120,
+        env=env,
+    )
+    assert ls.returncode == 0, ls.stderr
+    listed = ls.stdout
+    for part in (
+        "swarm-a/spec",
+        "swarm-a/lease",
+        "swarm-a/assign/",
+        "swarm-a/sync/s0/f0/r0/0",
+        "swarm-a/sync/s1/f0/r1/1",
+        "swarm-a/ckpt/",
+    ):
+        assert part in listed, f"{part} missing from:\n{listed}"
+    assert all(line.split()[-1].startswith("swarm-a/") for line in listed.strip().splitlines())
+
+    # the operator CLI sees the finished run (the coordinator marks it done once every node's advert says so)
+    def cli_status() -> str | None:
+        st = subprocess.run(
+            [sys.executable, "-m", "coordinator.cli", "status", "swarm-a", "--bootstrap", swarm.bootstrap],
+            capture_output=True,
+            text=True,
+            timeout=120,
+        )
+        assert st.returncode == 0, st.stderr
+        return st.stdout if "run swarm-a: done" in st.stdout else None
+
+    out = wait_until(cli_status, 60, "`crucible-coordinator status` to show swarm-a done", poll_s=2)
+    assert out.count("swarm-a") >= 5  # the run line and its 4 nodes
+
+
+def test_bad_input_is_rejected_and_node_keeps_running(swarm: Swarm) -> None:
+    import socket
+
+    node_status = swarm.statuses()[0]
+    host, port = node_status["pipeline"].split(":")
+    # 1. garbage on the pipeline port: a frame header announcing 4 GB, then junk
+    with socket.create_connection((host, int(port)), timeout=10) as s:
+        s.sendall(b"\xff\xff\xff\xf0junk")
+    # 2. a malformed hello (valid frame, not an envelope)
+    with socket.create_connection((host, int(port)), timeout=10) as s:
+        s.sendall(b"\x00\x00\x00\x05hello")
+    # 3. a forged assignment: well-formed, signed by a key that is not the operator's
+    forger = Identity.generate()
+    dht = DHTClient(forger, bootstrap=[swarm.bootstrap])
+    try:
+        target = node_status["peer_id"]
+        forged = Assignment(
+            run_id="forged",
+            term=99,
+            epoch=1,
+            peer_id=target,
+            replica=0,
+            stage=0,
+            layers=[0, 1],
+            spec=RunSpec(run_id="forged", replicas=1, stages=1, model=ModelSpec(n_layers=1)),
+        )
+        dht.publish(
+            keys.assignment_key(target), forged, 300
+        )  # under the forger's own subkey: read, then rejected
+        # and under the operator's subkey, to shadow the real assignment: every DHT peer refuses to store it
+        shadow = dht.dht.store(
+            keys.assignment_key(target),
+            seal(forger, forged),
+            expiration_time=dht_time() + 300,
+            subkey=swarm.operator.peer_id,
+        )
+        assert not shadow
+        time.sleep(4)
+    finally:
+        dht.shutdown()
+    st = swarm.statuses()[0]
+    assert st is not None, "node stopped answering after bad input"
+    assert st["metrics"]["run_id"] != "forged" and (st["assignment"] or {}).get("run_id") != "forged"
+    assert "rejected pipeline connection" in swarm.nodes[0].log_text()
+    assert "not a trusted key" in swarm.nodes[0].log_text()
+    with urllib.request.urlopen(f"{swarm.health[0]}/health", timeout=5) as r:
+        assert json.load(r)["status"] == "ok"
+
+
+def test_crashed_replica_does_not_stop_the_other(swarm: Swarm, tmp_path: Path) -> None:
+    toml = tmp_path / "run.toml"
+    toml.write_text(RUN_TOML.format(run_id="swarm-b", steps=400, H=5, timeout=6))
+    swarm.launch(toml)
+    ms = wait_until(
+        lambda: (m := run_metrics(swarm, "swarm-b")) and len(m) == 4 and min(x["step"] for x in m) >= 6 and m,
+        300,
+        "run swarm-b to pass its first round",
+    )
+    sts = swarm.statuses()
+    idx = next(
+        i for i, st in enumerate(sts) if st and (st["metrics"]["replica"], st["metrics"]["stage"]) == (1, 1)
+    )
+    swarm.nodes[idx].kill()
+    alive = [i for i in range(4) if i != idx]
+    step_at_kill = max(m["step"] for m in ms)
+
+    # the surviving replica keeps training past several more rounds, aggregating without the dead one
+    def progressed():
+        sts = [swarm.statuses()[i] for i in alive]
+        r0 = [s["metrics"] for s in sts if s and s["metrics"]["replica"] == 0]
+        return len(r0) == 2 and min(m["step"] for m in r0) >= step_at_kill + 15 and r0
+
+    r0 = wait_until(progressed, 240, "replica 0 to keep training after replica 1 lost a node")
+    assert all(m["fragments_missing"] >= 1 for m in r0)
+    # stop the run through the operator CLI; nodes go idle, the node processes stay up
+    c = subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "coordinator.cli",
+            "stop",
+            "swarm-b",
+            *swarm.swarm_flags(),
+            *swarm.operator_flags(),
+        ],
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
+    assert c.returncode == 0, c.stderr
+    wait_until(
+        lambda: all((s := swarm.statuses()[i]) and s["metrics"]["state"] != "training" for i in alive),
+        120,
+        "nodes to stop training",
+    )
+    assert all(swarm.nodes[i].alive for i in alive)
+
+
+def test_store_lease_is_exclusive(moto_store: str) -> None:
+    from coordinator.lease import renew, try_acquire
+
+    store = ObjectStore(StoreConfig(endpoint_url=moto_store, bucket="lease-test"))
+    store.ensure_bucket()
+    a, b = Identity.generate(), Identity.generate()
+    held = try_acquire(store, a, "run-x", 30)
+    assert held and held.lease.term == 1
+    assert try_acquire(store, b, "run-x", 30) is None  # live lease: b loses
+    stolen = try_acquire(store, b, "run-x", 30, now=time.time() + 60)  # after expiry: b takes over, term+1
+    assert stolen and stolen.lease.term == 2
+    assert renew(store, a, held, 30) is None  # a's stale ETag: deposed
+
+
+def test_join_rejects_bad_bootstrap() -> None:
+    r = subprocess.run(
+        [sys.executable, "-m", "node.cli", "join", "--bootstrap", "not-a-multiaddr"],
+        capture_output=True,
+        text=True,
+        timeout=60,
+    )
+    assert r.returncode != 0
+    assert "not a valid multiaddr" in r.stderr and "/ip4/" in r.stderr and "/p2p/" in r.stderr
+    t = time.monotonic()
+    r = subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "node.cli",
+            "join",
+            "--key-file",
+            "/tmp/crucible-test-unreachable.key",
+            "--bootstrap",
+            "/ip4/127.0.0.1/tcp/9/p2p/12D3KooWDpJ7As7BWAwRMfu1VU2WCqNjvq387JEYKDBj4kx6nXTN",
+        ],
+        capture_output=True,
+        text=True,
+        timeout=90,
+    )
+    assert r.returncode != 0 and time.monotonic() - t < 60
+    assert "could not join the swarm" in r.stderr
+
+
+def test_spec_validation_names_the_field() -> None:
+    with pytest.raises(ValueError, match="run_id"):
+        RunSpec(run_id="Bad Id")
+    with pytest.raises(ValueError, match="tau"):
+        SyncSpec(H=5, tau=5)
+    with pytest.raises(ValueError, match="microbatches"):
+        TrainSpec(batch_size=5, microbatches=2)

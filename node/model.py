@@ -104,12 +104,17 @@ class Stage(nn.Module):
         cos, sin = rope_tables(spec.seq_len, spec.d_model // spec.n_heads, spec.rope_theta)
         self.register_buffer("rope_cos", cos, persistent=False)
         self.register_buffer("rope_sin", sin, persistent=False)
+        # (V, d) fixed token table T of a subspace-compressed pipeline (node/subspace_model.py); None = plain
+        self.token_table: torch.Tensor | None
+        self.register_buffer("token_table", None, persistent=False)
         init_weights_(self, spec)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         """First stage: x is (b, L) token ids; otherwise (b, L, d) hidden states.
         Returns (b, L, vocab) logits on the last stage, else (b, L, d) hidden states."""
         h = self.embed(x) if self.embed is not None else x
+        if self.embed is not None and self.token_table is not None:
+            h = h + self.token_table[x]  # E[x] + T[x] (DESIGN section 4)
         for block in self.layers.values():
             h = block(h, self.rope_cos, self.rope_sin)
         if self.head is not None and self.norm is not None:

@@ -1,0 +1,228 @@
+"""The constraint that makes subspace-compressed pipeline links exact (DESIGN section 4).
+
+Subspace Networks (arXiv 2506.01260, "Subspace Networks: Scaling Decentralized Training with
+Communication-Efficient Model Parallelism"). A link of width k_b sends Z = (X - T[x]) U_b with
+U_b = U[:, :k_b] (protocol/subspace.py); the receiver's X_hat = Z U_b^T + T[x] equals X exactly iff the
+residual stream minus T[x] lies in span(U_b). The residual at boundary b is
+
+    X_b = E[x] + T[x] + sum_{layers l before b} (attn.wo_l(...) + mlp.w_down_l(...))
+
+so it suffices that E's rows lie in span(U[:, :min_b k_b]) and every residual writer of layer l lies in
+span(U[:, :k(l)]), k(l) = the smallest k of the compressed boundaries after l (nested bases make
+span(U[:, :k]) a subspace of every wider link's span). Layers after the last compressed boundary stay
+full-rank. Dense links (k = d) impose nothing.
+
+Gradients: the receiver returns only G_X U; the part (I - U U^T) G_X it drops travels back along the
+residual skip path only (every branch reads it through a constrained writer, whose Jacobian starts with
+U U^T), so it reaches no parameter except the constrained writers themselves, where projecting the
+gradient removes it. Hence, per optimizer step:
+
+    project_grads_(stage)     G_W <- U_k U_k^T G_W,   G_E <- G_E U_k U_k^T    (before clipping and step)
+    optimizer.step()          AdamW's elementwise 1/sqrt(v) scaling leaves the subspace, so:
+    project_weights_(stage)   W   <- U_k U_k^T W,     E   <- E U_k U_k^T
+
+Why project instead of reparameterizing W = U W': parameter names and shapes stay those of the plain
+model, so name-seeded init, checkpoints, the dense reference model and SparseLoCo's per-tensor fragments
+and 64x64 tiles all work unchanged, and a link's k can be narrowed later by re-projecting (no optimizer
+state to reshape). The price is these two calls, two thin (d x k) matmuls per constrained weight.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Literal
+
+import torch
+
+from node.model import Stage
+from protocol.runspec import ModelSpec, PipelineSpec
+from protocol.subspace import ActivationCodec, SubspaceBoundary, basis, token_table
+
+Side = Literal["out", "rows"]
+"""How a weight writes the residual: nn.Linear (d, n) output columns ("out": W <- U U^T W) or embedding
+rows ("rows": E <- E U U^T)."""
+
+
+@dataclass(frozen=True)
+class SubspacePlan:
+    """Which k confines each residual writer, derived from the model, the pipeline links and the split."""
+
+    d: int
+    link_k: tuple[int, ...]
+    """Width of each boundary b = 0..S-2 as the run spec sets it (k = d: dense)."""
+    wire_k: tuple[int, ...]
+    """Width each boundary actually sends: wire_k[b] = min(link_k[b:]). Everything written before boundary b
+    is also before every later boundary, so it already lies in the narrowest later span: extra columns would
+    carry zeros (a dense link followed by a compressed one is compressed for free, and exactly)."""
+    boundaries: tuple[int, ...]
+    """Boundary b sits before layer boundaries[b] (= the end of stage b's range)."""
+    k_max: int | None
+    """Widest compressed link: U has k_max columns. None: no compressed link, nothing is constrained."""
+    embed_k: int | None
+    """E's rows are confined to span(U[:, :embed_k]) (the narrowest compressed link)."""
+    write_k: dict[int, int] = field(default_factory=dict)
+    """layer -> k that its attn.wo and mlp.w_down outputs are confined to; absent = full-rank."""
+
+
+@dataclass(frozen=True)
+class Constraint:
+    name: str
+    """Parameter name within the stage (e.g. 'layers.1.attn.wo.weight')."""
+    k: int
+    side: Side
+
+
+def subspace_plan(
+    model_spec: ModelSpec, pipeline_spec: PipelineSpec, ranges: list[tuple[int, int]]
+) -> SubspacePlan:
+    """wire_k[b] = min(link_k[b:]); k(l) = min{wire_k[b] < d : boundary b after layer l}; E: min over all."""
+    d, S = model_spec.d_model, len(ranges)
+    if not ranges or ranges[0][0] != 0 or ranges[-1][1] != model_spec.n_layers:
+        raise ValueError(f"layer ranges {ranges} must cover layers 0..{model_spec.n_layers} in order")
+    if any(a >= b for a, b in ranges) or any(p[1] != q[0] for p, q in zip(ranges, ranges[1:], strict=False)):
+        raise ValueError(f"layer ranges {ranges} must be contiguous and non-empty")
+    link_k = tuple(pipeline_spec.link_k) if pipeline_spec.link_k else (d,) * (S - 1)
+    if len(link_k) != S - 1:
+        raise ValueError(f"pipeline.link_k has {len(link_k)} values; a {S}-stage split has {S - 1} links")
+    for k in link_k:
+        if not 0 < k <= d:
+            raise ValueError(f"pipeline.link_k value {k} must be in 1..d_model={d}")
+    boundaries = tuple(end for _, end in ranges[:-1])
+    wire_k = tuple(min(link_k[b:]) for b in range(S - 1))
+    compressed = [(at, k) for at, k in zip(boundaries, wire_k, strict=True) if k < d]
+    if not compressed:
+        return SubspacePlan(
+            d=d, link_k=link_k, wire_k=wire_k, boundaries=boundaries, k_max=None, embed_k=None
+        )
+    write_k = {}
+    for layer in range(model_spec.n_layers):
+        after = [k for at, k in compressed if layer < at]
+        if after:
+            write_k[layer] = min(after)
+    return SubspacePlan(
+        d=d,
+        link_k=link_k,
+        wire_k=wire_k,
+        boundaries=boundaries,
+        k_max=max(k for _, k in compressed),
+        embed_k=min(k for _, k in compressed),
+        write_k=write_k,
+    )
+
+
+def constrain_stage(
+    stage: Stage,
+    model_spec: ModelSpec,
+    pipeline_spec: PipelineSpec,
+    ranges: list[tuple[int, int]],
+    stage_index: int | None = None,
+) -> SubspacePlan:
+    """Attach U (buffer `subspace_U`, (d, k_max)) and T (buffer `token_table`, (V, d): the first stage then
+    embeds E[x] + T[x]), record which weights are confined to which span, and project them (init).
+
+    stage_index: this stage's index in `ranges`; None for a reference model holding several stages of
+    the split (e.g. the whole model in one piece), constrained exactly as its pieces would be.
+    A pipeline with only dense links is left untouched. Call once, after building the stage.
+    """
+    plan = subspace_plan(model_spec, pipeline_spec, ranges)
+    if stage_index is not None and (stage.start, stage.end) != tuple(ranges[stage_index]):
+        raise ValueError(
+            f"stage holds layers [{stage.start}, {stage.end}), ranges[{stage_index}] is {ranges[stage_index]}"
+        )
+    if stage.start not in {a for a, _ in ranges} or stage.end not in {b for _, b in ranges}:
+        raise ValueError(f"stage layers [{stage.start}, {stage.end}) do not align with the split {ranges}")
+    if plan.k_max is None:
+        return plan
+    device = next(stage.parameters()).device
+    seed = pipeline_spec.projection_seed
+    stage.register_buffer("subspace_U", basis(plan.d, plan.k_max, seed).to(device), persistent=False)
+    stage.token_table = token_table(model_spec.vocab, plan.d, seed, plan.embed_k).to(device)  # T perp E
+    constraints: list[Constraint] = []
+    if stage.embed is not None:
+        assert plan.embed_k is not None
+        constraints.append(Constraint("embed.weight", plan.embed_k, "rows"))
+    for layer in range(stage.start, stage.end):
+        if layer in plan.write_k:
+            for writer in ("attn.wo.weight", "mlp.w_down.weight"):
+                constraints.append(Constraint(f"layers.{layer}.{writer}", plan.write_k[layer], "out"))
+    stage.subspace_constraints = tuple(constraints)  # type: ignore[assignment]  # plain attribute
+    project_weights_(stage)
+    return plan
+
+
+def _constrained(stage: Stage) -> list[tuple[Constraint, torch.nn.Parameter, torch.Tensor]]:
+    constraints: tuple[Constraint, ...] = getattr(stage, "subspace_constraints", ())
+    if not constraints:
+        return []
+    params = dict(stage.named_parameters())
+    U = stage.get_buffer("subspace_U")
+    return [(c, params[c.name], U[:, : c.k]) for c in constraints]
+
+
+def _project(t: torch.Tensor, U_k: torch.Tensor, side: Side) -> torch.Tensor:
+    U_k = U_k.to(t.dtype)
+    if side == "out":
+        return U_k @ (U_k.T @ t)  # (d, n): U U^T W
+    return (t @ U_k) @ U_k.T  # (V, d): E U U^T
+
+
+@torch.no_grad()
+def project_weights_(stage: Stage) -> None:
+    """W <- U_k U_k^T W for every constrained writer, E <- E U_k U_k^T; after every optimizer step (and every
+    outer SparseLoCo/DiLoCo step: a sparsified, quantized aggregate is not in span(U)). No-op if dense."""
+    for c, p, U_k in _constrained(stage):
+        p.copy_(_project(p, U_k, c.side))
+
+
+@torch.no_grad()
+def project_grads_(stage: Stage) -> None:
+    """G <- the same projection of every constrained weight's .grad; before clipping and the step."""
+    for c, p, U_k in _constrained(stage):
+        if p.grad is not None:
+            p.grad.copy_(_project(p.grad, U_k, c.side))
+
+
+@torch.no_grad()
+def off_subspace(stage: Stage) -> float:
+    """Largest ||W - proj(W)|| / ||W|| over the constrained weights (0 when exact); a health check."""
+    worst = 0.0
+    for c, p, U_k in _constrained(stage):
+        worst = max(worst, float((p - _project(p, U_k, c.side)).norm() / p.norm().clamp_min(1e-30)))
+    return worst
+
+
+def boundary_codecs(
+    stage: Stage,
+    model_spec: ModelSpec,
+    pipeline_spec: PipelineSpec,
+    ranges: list[tuple[int, int]],
+    stage_index: int,
+) -> tuple[SubspaceBoundary | None, SubspaceBoundary | None]:
+    """(codec_in, codec_out) for node/schedule.py's PipelineStage: the links before and after this stage
+    (None at the ends), each plan.wire_k[b] wide. Compressed links use the stage's U[:, :k] and T, so call
+    constrain_stage first."""
+    plan = subspace_plan(model_spec, pipeline_spec, ranges)
+    n_stages = len(ranges)
+
+    def link(b: int) -> SubspaceBoundary:
+        k = plan.wire_k[b]
+        codec = ActivationCodec(
+            d=plan.d,
+            k=k,
+            vocab=model_spec.vocab,
+            seq_len=model_spec.seq_len,
+            wire_dtype=pipeline_spec.wire_dtype,
+        )
+        if k == plan.d:
+            return SubspaceBoundary(codec, None, None)
+        U = getattr(stage, "subspace_U", None)
+        if not isinstance(U, torch.Tensor) or stage.token_table is None:
+            raise ValueError(
+                f"link {b} is compressed (k={k} < d={plan.d}): call constrain_stage(stage, ...) first"
+            )
+        return SubspaceBoundary(codec, U[:, :k], stage.token_table)
+
+    return (
+        link(stage_index - 1) if stage_index > 0 else None,
+        link(stage_index) if stage_index < n_stages - 1 else None,
+    )

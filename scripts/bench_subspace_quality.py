@@ -1,0 +1,216 @@
+"""Quality cost of the subspace constraint: a 2-stage pipeline with a k/d = 1/8 link vs the dense one.
+
+  python -m scripts.bench_subspace_quality [--quick] [--steps 300] [--k 32] [--wire-dtype float32]
+
+Both arms train the same Llama-style model (d=256, 4 layers, seq 256, batch 8 by default) from the same
+seeds on the same standard-library token stream with AdamW; every boundary crossing goes through the
+real codec as bytes (Z forward, G_Z backward; the dense arm through the same codec at k = d). Reports
+validation bits-per-byte (loss / ln 2; byte vocabulary, so bits per token = bits per byte) of both arms and
+the relative gap, as a table on stderr and one JSON line last on stdout.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import sys
+import time
+from dataclasses import dataclass
+
+import torch
+
+from node.data import Corpus
+from node.model import Stage, build_stage, lm_loss
+from node.subspace_model import (
+    boundary_codecs,
+    constrain_stage,
+    off_subspace,
+    project_grads_,
+    project_weights_,
+)
+from protocol.runspec import ModelSpec, PipelineSpec
+from protocol.subspace import SubspaceBoundary
+
+
+@dataclass
+class Arm:
+    name: str
+    stages: list[Stage]
+    codecs: list[tuple[SubspaceBoundary | None, SubspaceBoundary | None]]
+    opts: list[torch.optim.Optimizer]
+    wire_fwd: int = 0
+    wire_bwd: int = 0
+    train_s: float = 0.0
+
+
+def build_arm(
+    name: str, spec: ModelSpec, pspec: PipelineSpec, ranges: list[tuple[int, int]], lr: float
+) -> Arm:
+    stages = [build_stage(spec, ranges, s) for s in range(len(ranges))]
+    for s, stage in enumerate(stages):
+        constrain_stage(stage, spec, pspec, ranges, s)  # no-op for the dense arm
+    codecs = [boundary_codecs(stage, spec, pspec, ranges, s) for s, stage in enumerate(stages)]
+    opts: list[torch.optim.Optimizer] = [
+        torch.optim.AdamW(st.parameters(), lr=lr, betas=(0.9, 0.95), weight_decay=0.0) for st in stages
+    ]
+    return Arm(name, stages, codecs, opts)
+
+
+def forward(arm: Arm, tokens: torch.Tensor, step: int, kind: str) -> tuple[torch.Tensor, list, list]:
+    """Run the pipeline; each boundary crosses as an encoded message. Returns loss, sent outputs, leaves."""
+    x: torch.Tensor = tokens[:, :-1]  # (b, L) token ids
+    outs, leaves = [], []
+    for s, stage in enumerate(arm.stages):
+        out = stage(x)
+        if s == len(arm.stages) - 1:
+            return lm_loss(out, tokens), outs, leaves
+        codec_out, codec_in = arm.codecs[s][1], arm.codecs[s + 1][0]
+        assert codec_out is not None and codec_in is not None
+        msg = codec_out.pack_fwd(kind, step, 0, out, tokens)
+        arm.wire_fwd = len(msg)
+        _, _, _, X_hat, tokens = codec_in.unpack_fwd(msg)
+        x = X_hat.requires_grad_(kind == "train")  # (b, L, d) leaf on the receiving stage
+        outs.append(out)
+        leaves.append(x)
+    raise AssertionError("unreachable")
+
+
+def train_step(arm: Arm, tokens: torch.Tensor, step: int, lr: float, grad_clip: float) -> float:
+    t0 = time.perf_counter()
+    for opt in arm.opts:
+        opt.zero_grad(set_to_none=True)
+        for group in opt.param_groups:
+            group["lr"] = lr
+    loss, outs, leaves = forward(arm, tokens, step, "train")
+    loss.backward()
+    for s in reversed(range(len(arm.stages) - 1)):
+        codec_in, codec_out = arm.codecs[s + 1][0], arm.codecs[s][1]
+        assert codec_in is not None and codec_out is not None
+        msg = codec_in.pack_bwd(step, 0, leaves[s].grad)  # G_Z = G_X U
+        arm.wire_bwd = len(msg)
+        outs[s].backward(codec_out.unpack_bwd(msg)[2])  # G_Z U^T
+    for stage, opt in zip(arm.stages, arm.opts, strict=True):
+        project_grads_(stage)  # before clipping: clip the gradient that will be used
+        if grad_clip > 0:
+            torch.nn.utils.clip_grad_norm_(stage.parameters(), grad_clip)
+        opt.step()
+        project_weights_(stage)  # AdamW's elementwise scaling leaves span(U)
+    arm.train_s += time.perf_counter() - t0
+    return float(loss.detach())
+
+
+@torch.no_grad()
+def evaluate(arm: Arm, batches: list[torch.Tensor]) -> float:
+    """Mean validation loss in bits per byte."""
+    nats = sum(float(forward(arm, b, i, "eval")[0]) for i, b in enumerate(batches)) / len(batches)
+    return nats / math.log(2)
+
+
+def lr_at(step: int, steps: int, lr: float, warmup: int) -> float:
+    if step < warmup:
+        return lr * (step + 1) / warmup
+    progress = (step - warmup) / max(1, steps - warmup)
+    return lr * (0.1 + 0.9 * 0.5 * (1 + math.cos(math.pi * progress)))  # cosine to lr/10
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--quick", action="store_true", help="30 steps, 2 eval batches (a smoke run)")
+    ap.add_argument("--steps", type=int, default=300, help="optimizer steps per arm (default 300)")
+    ap.add_argument("--k", type=int, default=32, help="subspace width of the single link (default 32 = d/8)")
+    ap.add_argument("--d-model", type=int, default=256)
+    ap.add_argument("--n-layers", type=int, default=4)
+    ap.add_argument("--seq-len", type=int, default=256)
+    ap.add_argument("--batch", type=int, default=8)
+    ap.add_argument("--lr", type=float, default=3e-3)
+    ap.add_argument("--warmup", type=int, default=30)
+    ap.add_argument("--grad-clip", type=float, default=1.0)
+    ap.add_argument("--wire-dtype", choices=["float32", "bfloat16", "float16"], default="float32")
+    ap.add_argument("--eval-batches", type=int, default=8, help="validation batches of --batch sequences")
+    ap.add_argument("--data-seed", type=int, default=1234)
+    ap.add_argument("--threads", type=int, default=2)
+    args = ap.parse_args(argv)
+    steps, eval_batches, warmup = args.steps, args.eval_batches, args.warmup
+    if args.quick:
+        steps, eval_batches, warmup = 30, 2, 5
+    torch.set_num_threads(args.threads)
+    torch.manual_seed(0)
+
+    spec = ModelSpec(
+        d_model=args.d_model,
+        n_layers=args.n_layers,
+        n_heads=4,
+        d_ff=round(8 * args.d_model / 3 / 8) * 8,
+        seq_len=args.seq_len,
+    )
+    ranges = [(0, spec.n_layers // 2), (spec.n_layers // 2, spec.n_layers)]
+    corpus = Corpus.load("stdlib", 0.02)
+    val = corpus.val_batches(eval_batches, args.batch, spec.seq_len)
+    arms = [
+        build_arm("dense", spec, PipelineSpec(wire_dtype=args.wire_dtype), ranges, args.lr),
+        build_arm(
+            "subspace", spec, PipelineSpec(link_k=[args.k], wire_dtype=args.wire_dtype), ranges, args.lr
+        ),
+    ]
+    log = sys.stderr
+    print(
+        f"# d={spec.d_model} layers={spec.n_layers} seq={spec.seq_len} batch={args.batch} steps={steps} "
+        f"k={args.k} (k/d={args.k / spec.d_model:.4f}) wire={args.wire_dtype} params={spec.n_params:,} "
+        f"train bytes={len(corpus.train):,} val bytes={len(corpus.val):,}",
+        file=log,
+    )
+    start_bpb = {a.name: evaluate(a, val) for a in arms}
+    for step in range(steps):
+        tokens = corpus.train_batch(args.data_seed, 0, step, args.batch, spec.seq_len)  # same for both arms
+        lr = lr_at(step, steps, args.lr, warmup)
+        losses = [train_step(a, tokens, step, lr, args.grad_clip) for a in arms]
+        if step % 50 == 0 or step == steps - 1:
+            print(
+                f"step {step:4d}  lr {lr:.2e}  train bpb dense {losses[0] / math.log(2):.4f}  "
+                f"subspace {losses[1] / math.log(2):.4f}",
+                file=log,
+                flush=True,
+            )
+    end_bpb = {a.name: evaluate(a, val) for a in arms}
+    dense, sub = end_bpb["dense"], end_bpb["subspace"]
+    gap = (sub - dense) / dense
+    print(
+        f"\n{'arm':<10}{'val bpb start':>15}{'val bpb end':>13}{'fwd B/msg':>11}{'bwd B/msg':>11}{'train s':>9}",
+        file=log,
+    )
+    for a in arms:
+        print(
+            f"{a.name:<10}{start_bpb[a.name]:>15.4f}{end_bpb[a.name]:>13.4f}{a.wire_fwd:>11,}{a.wire_bwd:>11,}"
+            f"{a.train_s:>9.1f}",
+            file=log,
+        )
+    print(f"relative gap (subspace - dense) / dense: {gap * 100:+.2f}%", file=log)
+    sub_arm = arms[1]
+    result = {
+        "bench": "subspace_quality",
+        "d_model": spec.d_model,
+        "n_layers": spec.n_layers,
+        "seq_len": spec.seq_len,
+        "batch": args.batch,
+        "steps": steps,
+        "k": args.k,
+        "wire_dtype": args.wire_dtype,
+        "eval_tokens": eval_batches * args.batch * spec.seq_len,
+        "val_bpb_dense": round(dense, 5),
+        "val_bpb_subspace": round(sub, 5),
+        "rel_gap": round(gap, 5),
+        "fwd_bytes_dense": arms[0].wire_fwd,
+        "fwd_bytes_subspace": sub_arm.wire_fwd,
+        "bwd_bytes_dense": arms[0].wire_bwd,
+        "bwd_bytes_subspace": sub_arm.wire_bwd,
+        "off_subspace": max(off_subspace(s) for s in sub_arm.stages),
+        "train_s_dense": round(arms[0].train_s, 1),
+        "train_s_subspace": round(sub_arm.train_s, 1),
+    }
+    print(json.dumps(result))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,4 +1,5 @@
-"""A 2-stage pipeline over real TCP between two OS processes equals the same model in one process."""
+"""A 2-stage pipeline over real TCP between two OS processes equals the same model in one process,
+with dense links and with a subspace-compressed link (k/d = 1/8, constrained model)."""
 
 from __future__ import annotations
 
@@ -8,35 +9,64 @@ import socket
 import pytest
 import torch
 
-from node.boundary import DenseBoundary
 from node.data import Corpus
-from node.model import build_full_model, build_stage, lm_loss
+from node.model import Stage, build_full_model, build_stage, lm_loss
 from node.schedule import PipelineStage
+from node.subspace_model import boundary_codecs, constrain_stage, project_grads_
 from node.transport import Link, connect, listen
-from protocol.runspec import ModelSpec, RunSpec
+from protocol.runspec import ModelSpec, PipelineSpec, RunSpec
 
-SPEC = RunSpec(run_id="t", model=ModelSpec(d_model=64, n_layers=4, n_heads=4, d_ff=176, seq_len=32))
 M = 4
+
+
+def _spec(link_k: list[int]) -> RunSpec:
+    model = ModelSpec(d_model=64, n_layers=4, n_heads=4, d_ff=176, seq_len=32)
+    return RunSpec(run_id="t", model=model, pipeline=PipelineSpec(link_k=link_k))
+
+
+def _stage(spec: RunSpec, index: int) -> Stage:
+    ranges = spec.layer_ranges()
+    module = build_stage(spec.model, ranges, index)
+    constrain_stage(module, spec.model, spec.pipeline, ranges, index)
+    return module
+
+
+def _pipe(spec: RunSpec, module: Stage, index: int, prev: Link | None, nxt: Link | None) -> PipelineStage:
+    codec_in, codec_out = boundary_codecs(module, spec.model, spec.pipeline, spec.layer_ranges(), index)
+    return PipelineStage(
+        module,
+        stage=index,
+        n_stages=2,
+        prev=prev,
+        next=nxt,
+        codec_in=codec_in,
+        codec_out=codec_out,
+        recv_timeout_s=60,
+    )
 
 
 def _tokens() -> torch.Tensor:
     g = torch.Generator().manual_seed(0)
-    return torch.randint(0, 256, (8, SPEC.model.seq_len + 1), generator=g)
+    return torch.randint(0, 256, (8, 33), generator=g)
 
 
-def _stage1(port: int, out_path: str) -> None:
-    torch.manual_seed(0)
+def _stage1(link_k: list[int], port: int, out_path: str) -> None:
+    spec = _spec(link_k)
     srv = listen("127.0.0.1", port)
     conn, _ = srv.accept()
     link = Link(conn, "stage0")
-    module = build_stage(SPEC.model, SPEC.layer_ranges(), 1)
-    codec = DenseBoundary(SPEC.model.d_model, SPEC.model.seq_len, 256)
-    ps = PipelineStage(
-        module, stage=1, n_stages=2, prev=link, next=None, codec_in=codec, codec_out=None, recv_timeout_s=60
-    )
-    stats = ps.train_step(0, None, M)
+    module = _stage(spec, 1)
+    stats = _pipe(spec, module, 1, link, None).train_step(0, None, M)
+    project_grads_(module)
     link.flush()
-    torch.save({"loss": stats.loss, "grads": {n: p.grad for n, p in module.named_parameters()}}, out_path)
+    torch.save(
+        {
+            "loss": stats.loss,
+            "grads": {n: p.grad for n, p in module.named_parameters()},
+            "bytes": link.bytes_recv,
+        },
+        out_path,
+    )
     link.close()
 
 
@@ -47,27 +77,19 @@ def _free_port() -> int:
 
 
 @pytest.mark.timeout(120)
-def test_two_stage_tcp_matches_single_process(tmp_path) -> None:
+@pytest.mark.parametrize("link_k", [[], [8]], ids=["dense", "subspace-k8-of-64"])
+def test_two_stage_tcp_matches_single_process(tmp_path, link_k: list[int]) -> None:
+    spec = _spec(link_k)
     port = _free_port()
     out = str(tmp_path / "stage1.pt")
-    child = mp.get_context("spawn").Process(target=_stage1, args=(port, out))
+    child = mp.get_context("spawn").Process(target=_stage1, args=(link_k, port, out))
     child.start()
     try:
         link = Link(connect("127.0.0.1", port, timeout_s=60), "stage1")
-        module = build_stage(SPEC.model, SPEC.layer_ranges(), 0)
-        codec = DenseBoundary(SPEC.model.d_model, SPEC.model.seq_len, 256)
-        ps = PipelineStage(
-            module,
-            stage=0,
-            n_stages=2,
-            prev=None,
-            next=link,
-            codec_in=None,
-            codec_out=codec,
-            recv_timeout_s=60,
-        )
+        module = _stage(spec, 0)
         tokens = _tokens()
-        ps.train_step(0, tokens, M)
+        _pipe(spec, module, 0, None, link).train_step(0, tokens, M)
+        project_grads_(module)
         child.join(60)
         assert child.exitcode == 0
         link.close()
@@ -76,15 +98,19 @@ def test_two_stage_tcp_matches_single_process(tmp_path) -> None:
             child.kill()
     remote = torch.load(out)
 
-    full = build_full_model(SPEC.model)
+    full = build_full_model(spec.model)  # the same constrained model, in one piece, no links
+    constrain_stage(full, spec.model, spec.pipeline, spec.layer_ranges(), None)
     loss = sum(lm_loss(full(mb[:, :-1]), mb) / M for mb in tokens.chunk(M))
     loss.backward()
+    project_grads_(full)
     assert remote["loss"] == pytest.approx(float(loss.detach()), abs=1e-5)
     ref = dict(full.named_parameters())
     grads = {n: p.grad for n, p in module.named_parameters()} | remote["grads"]
     assert set(grads) == set(ref)
     for name, g in grads.items():
         torch.testing.assert_close(g, ref[name].grad, atol=1e-5, rtol=1e-4, msg=name)
+    if link_k:  # k/d = 1/8: forward messages carry 8 of 64 values per token, plus token ids and header
+        assert remote["bytes"] < 0.2 * (8 * 32 * 64 * 4 * 4)
 
 
 def test_corpus_batches_are_deterministic() -> None:

@@ -1,0 +1,152 @@
+"""The shared contract: identities, signed envelopes, schema checks, framing, DHT subkey ownership."""
+
+from __future__ import annotations
+
+import socket
+
+import msgpack
+import pytest
+from hivemind.dht.validation import DHTRecord
+
+from protocol.dht_validator import SignedSubkeyValidator
+from protocol.envelope import UntrustedSigner, VersionError, open_envelope, seal
+from protocol.framing import ConnectionClosed, FrameError, encode_frame, recv_frame, send_frame
+from protocol.identity import Identity, SignatureError, peer_id_of, public_key_of_peer_id
+from protocol.messages import Endpoint, Hello, NodeAdvert
+from protocol.runspec import RunSpec, load_run_spec
+from protocol.schema import SchemaError
+
+
+def _hello(ident: Identity) -> Hello:
+    return Hello(run_id="r", term=1, epoch=1, replica=0, stage=0, peer_id=ident.peer_id)
+
+
+def test_peer_id_roundtrip_and_key_file(tmp_path) -> None:
+    ident = Identity.load_or_create(tmp_path / "k")
+    assert ident.peer_id.startswith("12D3KooW")
+    assert public_key_of_peer_id(ident.peer_id) == ident.public_key
+    assert Identity.load_or_create(tmp_path / "k").peer_id == ident.peer_id
+    (tmp_path / "bad").write_bytes(b"short")
+    with pytest.raises(SignatureError, match="32-byte"):
+        Identity.load_or_create(tmp_path / "bad")
+    with pytest.raises(SignatureError):
+        public_key_of_peer_id("QmNotEd25519")
+
+
+def test_envelope_roundtrip_and_rejections() -> None:
+    a, b = Identity.generate(), Identity.generate()
+    data = seal(a, _hello(a))
+    got = open_envelope(data, Hello)
+    assert got.body == _hello(a) and got.signer_id == a.peer_id
+    with pytest.raises(UntrustedSigner):
+        open_envelope(data, Hello, trusted={b.public_key})
+    env = msgpack.unpackb(data)
+    tampered = dict(env, payload=msgpack.packb({**msgpack.unpackb(env["payload"]), "stage": 3}))
+    with pytest.raises(SignatureError):
+        open_envelope(msgpack.packb(tampered), Hello)
+    with pytest.raises(VersionError, match="version"):
+        open_envelope(msgpack.packb(dict(env, v=2)), Hello)
+    with pytest.raises(SchemaError, match="kind"):
+        open_envelope(data, NodeAdvert)
+    with pytest.raises(SchemaError, match="msgpack"):
+        open_envelope(b"\xc1garbage", Hello)
+    with pytest.raises(SchemaError, match="limit"):
+        open_envelope(b"x" * 100, Hello, max_bytes=10)
+
+
+def test_schema_errors_name_the_field() -> None:
+    a = Identity.generate()
+    bad_body = {"run_id": "r", "term": "one", "epoch": 1, "replica": 0, "stage": 0, "peer_id": a.peer_id}
+    payload = msgpack.packb(bad_body)
+    from protocol.envelope import _DOMAIN
+
+    env = {
+        "v": 1,
+        "kind": "Hello",
+        "signer": a.public_key,
+        "payload": payload,
+        "sig": a.sign(_DOMAIN + b"Hello" + payload),
+    }
+    with pytest.raises(SchemaError, match=r"Hello\.term: expected an integer"):
+        open_envelope(msgpack.packb(env), Hello)
+    from protocol.schema import from_dict
+
+    with pytest.raises(SchemaError, match="unknown field"):
+        from_dict(Endpoint, {"peer_id": "x", "host": "h", "port": 1, "extra": 2})
+    with pytest.raises(SchemaError, match=r"RunSpec\.sync\.H"):
+        from_dict(RunSpec, {"run_id": "ok", "sync": {"H": "30"}})
+
+
+def test_run_toml_errors_name_file_and_field(tmp_path) -> None:
+    p = tmp_path / "run.toml"
+    p.write_text('[run]\nrun_id = "a"\n[train]\nbatch_size = 7\nmicrobatches = 2\n')
+    with pytest.raises(ValueError, match="divisible"):
+        load_run_spec(p)
+    p.write_text('[run]\nrun_id = "a"\n[model]\nd_modl = 3\n')
+    with pytest.raises(ValueError, match="d_modl"):
+        load_run_spec(p)
+    with pytest.raises(ValueError, match="does not exist"):
+        load_run_spec(tmp_path / "missing.toml")
+
+
+def test_framing_limits_and_eof() -> None:
+    a, b = socket.socketpair()
+    with a, b:
+        send_frame(a, b"hello")
+        assert recv_frame(b) == b"hello"
+        a.sendall((1 << 30).to_bytes(4, "big"))
+        with pytest.raises(FrameError, match="over the"):
+            recv_frame(b, max_bytes=1024)
+    with pytest.raises(FrameError, match="exceeds"):
+        encode_frame(b"x" * 11, max_bytes=10)
+    a, b = socket.socketpair()
+    with b:
+        a.sendall(encode_frame(b"abcdef")[:6])
+        a.close()
+        with pytest.raises(FrameError, match="mid-frame"):
+            recv_frame(b)
+    a, b = socket.socketpair()
+    with b:
+        a.close()
+        with pytest.raises(ConnectionClosed):
+            recv_frame(b)
+
+
+def test_validator_only_lets_the_owner_write_its_subkey() -> None:
+    owner, forger = Identity.generate(), Identity.generate()
+    v = SignedSubkeyValidator()
+
+    def rec(subkey: str, signer: Identity) -> DHTRecord:
+        value = msgpack.packb(seal(signer, _hello(signer)))
+        return DHTRecord(b"key", msgpack.packb(subkey), value, 0.0)
+
+    assert v.validate(rec(owner.peer_id, owner))
+    assert v.validate(rec(f"run-1@{owner.peer_id}", owner))
+    assert not v.validate(rec(owner.peer_id, forger))
+    assert not v.validate(rec(f"run-1@{owner.peer_id}", forger))
+    junk = DHTRecord(b"key", msgpack.packb(owner.peer_id), msgpack.packb(b"junk"), 0.0)
+    assert not v.validate(junk)
+    assert v.validate(rec("not-a-peer", forger))  # not a peer-owned subkey: left to the reader's checks
+    assert peer_id_of(owner.public_key) == owner.peer_id
+
+
+def test_acceptor_rejects_bad_hello_and_hands_over_good_one() -> None:
+    from node.acceptor import Acceptor
+    from node.transport import listen
+
+    acc = Acceptor(listen("127.0.0.1", 0), hello_timeout_s=2)
+    try:
+        with socket.create_connection(("127.0.0.1", acc.port)) as s:
+            s.sendall(encode_frame(b"not an envelope"))
+        ident = Identity.generate()
+        c = socket.create_connection(("127.0.0.1", acc.port))
+        c.sendall(encode_frame(seal(ident, _hello(ident))))
+        hello, conn = acc.take("r", ident.peer_id, 0, 0, timeout_s=10)
+        assert hello.peer_id == ident.peer_id
+        conn.close()
+        c.close()
+        assert acc.rejected == 1
+        with pytest.raises(TimeoutError, match="did not connect"):
+            acc.take("r", "someone-else", 0, 0, timeout_s=0.5)
+    finally:
+        acc.close()

@@ -13,7 +13,7 @@ from dataclasses import dataclass, field, replace
 import msgpack
 
 from coordinator.lease import HeldLease, renew, try_acquire
-from coordinator.placement import Placement, PlacementError, place
+from coordinator.placement import Placement, PlacementError, place, repair
 from protocol import keys
 from protocol.dht_client import DHTClient, dht_time
 from protocol.envelope import open_envelope, seal
@@ -152,8 +152,10 @@ class Coordinator:
         run: ManagedRun,
         adverts: dict[str, NodeAdvert],
         slots: set[tuple[int, int]],
-        start_step: int = 0,
+        resume_replicas: set[int] | None = None,
     ) -> None:
+        """Sign and publish assignments for `slots`; replicas in resume_replicas restart from the latest
+        consensus checkpoint (start_step -1), the others keep their start step."""
         spec, pl = run.record.spec, run.placement
         assert pl is not None
         ranges = spec.layer_ranges()
@@ -163,6 +165,7 @@ class Coordinator:
                 return None
             return adverts[pl.peer(r, s)].endpoint
 
+        old_start = {(a.replica, a.stage): a.start_step for a in run.assignments.values()}
         for r, s in sorted(slots):
             peer = pl.peer(r, s)
             a = Assignment(
@@ -177,7 +180,7 @@ class Coordinator:
                 next=ep(r, s + 1),
                 spec=spec,
                 stage_peers={str(rr): pl.peer(rr, s) for rr in range(spec.replicas)},
-                start_step=start_step,
+                start_step=-1 if r in (resume_replicas or ()) else old_start.get((r, s), 0),
                 issued_at=dht_time(),
             )
             run.assignments[peer] = a
@@ -198,30 +201,71 @@ class Coordinator:
         )
 
     def _watch(self, run: ManagedRun, adverts: dict[str, NodeAdvert]) -> None:
+        """Mark the run done when every slot is done or gone; rebuild replicas that lost a node.
+
+        A slot is broken when its node's advert has been missing for churn_grace_s, or the node reports
+        `failed` on the current epoch (e.g. its neighbour crashed and the link broke). A broken replica is
+        rebuilt with free nodes (re-placing only its holes) and resumes from the latest consensus
+        checkpoint; the other replicas keep training and only learn the new signer (no restart). Without
+        free nodes the replica drops out and the others continue."""
         spec, pl = run.record.spec, run.placement
         assert pl is not None
-        now = time.monotonic()
-        done = 0
+        now, dnow = time.monotonic(), dht_time()
+        done, gone, failed = 0, set(), set()
         for peer in pl.slots.values():
             a = adverts.get(peer)
-            if a is None or (a.run_id != spec.run_id and now - run.started > 30):
-                first = run.missing_since.setdefault(peer, now)
-                if now - first > self.churn_grace_s and first > 0:
+            if a is None or dnow - a.timestamp > self.churn_grace_s:  # adverts refresh every few seconds
+                gone.add(peer)
+                continue
+            if a.run_id == spec.run_id and a.epoch == run.epoch and a.state == "done":
+                done += 1
+            elif a.run_id == spec.run_id and a.epoch == run.epoch and a.state == "failed":
+                # wait out the grace period: the failure may be a neighbour that is about to count as gone
+                if now - run.missing_since.setdefault(peer, now) > self.churn_grace_s:
+                    failed.add(peer)
+        broken = {r for (r, s), p in pl.slots.items() if p in gone | failed}
+        if broken and not self._rebuild(run, adverts, gone, broken):
+            for peer in gone | failed:
+                if run.missing_since.get(peer) != -1.0:
                     log.warning(
-                        "run %s: node %s is gone; its replica drops out, the others continue",
+                        "run %s: node %s is lost and no free node can replace it; its replica drops "
+                        "out, the others continue",
                         spec.run_id,
                         peer[-8:],
                     )
-                    run.missing_since[peer] = -1.0  # logged once
-                continue
-            run.missing_since.pop(peer, None)
-            if a.run_id == spec.run_id and a.state == "done":
-                done += 1
-            elif a.run_id == spec.run_id and a.state == "failed":
-                run.missing_since[peer] = -1.0  # its replica dropped out (e.g. a neighbour crashed)
-        gone = sum(1 for v in run.missing_since.values() if v < 0)
-        if done and done + gone >= len(pl.slots):
+                run.missing_since[peer] = -1.0
+        lost = {p for p, t in run.missing_since.items() if t == -1.0}
+        if done and done + len(lost & set(pl.slots.values())) >= len(pl.slots):
             self._set_state(run, "done")
+
+    def _rebuild(
+        self, run: ManagedRun, adverts: dict[str, NodeAdvert], gone: set[str], broken: set[int]
+    ) -> bool:
+        pl = run.placement
+        assert pl is not None
+        busy = self.busy_peers()
+        free = [
+            a for a in adverts.values() if a.peer_id not in busy and a.state in ("idle", "done", "failed")
+        ]
+        alive = {p for p in pl.slots.values() if p not in gone}
+        try:
+            new_pl, holes = repair(pl, alive, free)
+        except PlacementError as e:
+            log.info("run %s: cannot rebuild replicas %s yet: %s", run.record.spec.run_id, sorted(broken), e)
+            return False
+        run.placement = new_pl
+        run.epoch += 1
+        run.missing_since.clear()
+        rebuilt = broken | {r for r, _ in holes}
+        log.info(
+            "run %s: rebuilding replica(s) %s (epoch %d), resuming from the latest consensus checkpoint",
+            run.record.spec.run_id,
+            sorted(rebuilt),
+            run.epoch,
+        )
+        run.assignments = {p: a for p, a in run.assignments.items() if p in new_pl.slots.values()}
+        self._assign(run, adverts, set(new_pl.slots), resume_replicas=rebuilt)
+        return True
 
     def _watch_stop(self, run: ManagedRun, adverts: dict[str, NodeAdvert]) -> None:
         pl = run.placement

@@ -11,11 +11,10 @@ import argparse
 import logging
 import signal
 import sys
+import tomllib
 from dataclasses import fields
 from pathlib import Path
 from typing import Any
-
-import tomllib
 
 from protocol.dht_client import EXAMPLE_MULTIADDR, BootstrapError, DHTClient, validate_multiaddr
 from protocol.identity import Identity, SignatureError

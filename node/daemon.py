@@ -80,6 +80,18 @@ def _corpus(source: str, val_fraction: float) -> Corpus:
     return Corpus.load(source, val_fraction)
 
 
+def _same_slot(a: Assignment, b: Assignment) -> bool:
+    """Same run, replica, stage, neighbours and spec: a worker can keep running across the two."""
+    return (a.run_id, a.replica, a.stage, a.prev, a.next, a.spec) == (
+        b.run_id,
+        b.replica,
+        b.stage,
+        b.prev,
+        b.next,
+        b.spec,
+    )
+
+
 class NodeDaemon:
     def __init__(self, cfg: NodeConfig, identity: Identity) -> None:
         self.cfg, self.identity = cfg, identity
@@ -94,6 +106,7 @@ class NodeDaemon:
         self.assignment: Assignment | None = None
         self._stop_reason: str | None = None
         self._worker_thread: threading.Thread | None = None
+        self._worker: StageWorker | None = None
         self.store = ObjectStore(cfg.store) if cfg.store else None
         self.server = listen(cfg.host, cfg.port)
         self.acceptor = Acceptor(self.server)
@@ -125,6 +138,7 @@ class NodeDaemon:
             run_id=m.run_id,
             replica=m.replica,
             stage=m.stage,
+            epoch=self.assignment.epoch if self.assignment else 0,
             step=m.step,
             loss=m.loss,
             val_bpb=m.val_bpb,
@@ -189,6 +203,20 @@ class NodeDaemon:
             return None
         if a.stage == -1:  # released by the coordinator
             return a
+        if (
+            cur is not None
+            and self._worker is not None
+            and _same_slot(cur, a)
+            and self._worker_thread
+            and self._worker_thread.is_alive()
+        ):
+            # only other replicas' signers changed (one was rebuilt after churn): keep training
+            self._worker.update_stage_peers(a.stage_peers)
+            self.assignment = a
+            log.info(
+                "run %s: epoch %d updates the other replicas' signers; training goes on", a.run_id, a.epoch
+            )
+            return None
         if self.store is None:
             log.error(
                 "assignment to run %s ignored: this node has no object store configured (--store-endpoint)",
@@ -210,7 +238,7 @@ class NodeDaemon:
         self._stop_reason = None
         self.metrics = WorkerMetrics(state="assigned", run_id=a.run_id, replica=a.replica, stage=a.stage)
         assert self.store is not None
-        worker = StageWorker(
+        self._worker = worker = StageWorker(
             a,
             identity=self.identity,
             store=self.store,
@@ -251,7 +279,10 @@ class NodeDaemon:
         if t is None or not t.is_alive():
             return
         self._stop_reason = reason
-        t.join(timeout_s)
+        t.join(min(timeout_s, 10.0))  # a worker between steps stops by itself
+        if t.is_alive() and self._worker is not None:
+            self._worker.abort()  # one blocked on a dead link is unblocked by closing its links
+            t.join(timeout_s)
         if t.is_alive():
             log.warning("worker did not stop within %.0f s", timeout_s)
 

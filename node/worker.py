@@ -17,14 +17,14 @@ from dataclasses import asdict, dataclass, field
 import torch
 
 from node.acceptor import Acceptor
-from node.boundary import DenseBoundary
 from node.data import Corpus
 from node.model import Stage, build_stage
-from node.outer_sync import FragmentCodec, FragmentId, OuterSync
+from node.outer_sync import OuterSync
 from node.schedule import PipelineStage
+from node.sparseloco_sync import make_sync_parts
+from node.subspace_model import boundary_codecs, constrain_stage, project_grads_, project_weights_
 from node.transport import Link, Shaper, connect
 from protocol import keys
-from protocol.dense_fragment import decode_dense, encode_dense
 from protocol.envelope import seal
 from protocol.framing import encode_frame
 from protocol.identity import Identity
@@ -67,31 +67,6 @@ class WorkerMetrics:
         return asdict(self)
 
 
-class DenseCodec(FragmentCodec):
-    """DiLoCo's dense fp32 pseudo-gradient, signed by the uploading node."""
-
-    def __init__(self, identity: Identity) -> None:
-        self.identity = identity
-
-    def encode(self, fid: FragmentId, delta: list[torch.Tensor]) -> tuple[bytes, list[torch.Tensor]]:
-        return encode_dense(self.identity, _header(fid), delta), [d.float() for d in delta]
-
-    def decode(
-        self, fid: FragmentId, data: bytes, shapes: list[torch.Size], signer: str
-    ) -> list[torch.Tensor]:
-        return decode_dense(data, _header(fid), shapes, signer)
-
-
-def _header(fid: FragmentId) -> dict:
-    return {
-        "run_id": fid.run_id,
-        "stage": fid.stage,
-        "fragment": fid.fragment,
-        "round": fid.round,
-        "replica": fid.replica,
-    }
-
-
 def lr_at(step: int, spec: RunSpec) -> float:
     """Linear warm-up, then cosine decay to 10% of the peak at the last step."""
     t = spec.train
@@ -132,6 +107,7 @@ class StageWorker:
         self.should_stop = should_stop
         self.connect_timeout_s = connect_timeout_s
         self.prev: Link | None = None
+        self.sync: OuterSync | None = None
         self.next: Link | None = None
 
     # --- set-up -----------------------------------------------------------------------------------
@@ -139,25 +115,36 @@ class StageWorker:
         p = self.spec.pipeline
         return Shaper(bandwidth_mbps=p.bandwidth_mbps, delay_ms=p.delay_ms)
 
-    def _open_links(self) -> None:
+    def _open_links(self) -> int:
+        """Accept upstream, then connect downstream; returns the step this replica starts from.
+
+        The first stage decides the start step (resuming after churn: the latest consensus checkpoint)
+        and each stage passes it on in its Hello, so a rebuilt replica's stages agree on it."""
         a = self.a
+        start = a.start_step
+        if a.prev is not None:
+            hello, sock = self.acceptor.take(
+                a.run_id, a.prev.peer_id, a.replica, a.stage - 1, self.connect_timeout_s
+            )
+            self.prev = Link(sock, f"{a.prev.peer_id[-8:]} (stage {a.stage - 1})", shaper=self._shaper())
+            start = hello.start_step
+        elif start < 0:
+            latest = self.store.get(keys.ckpt_latest_key(a.run_id, a.stage))
+            start = int(latest.decode()) if latest else 0
         if a.next is not None:
             sock = connect(a.next.host, a.next.port, timeout_s=self.connect_timeout_s)
-            hello = Hello(
+            hello_out = Hello(
                 run_id=a.run_id,
                 term=a.term,
                 epoch=a.epoch,
                 replica=a.replica,
                 stage=a.stage,
                 peer_id=self.identity.peer_id,
+                start_step=start,
             )
-            sock.sendall(encode_frame(seal(self.identity, hello)))
+            sock.sendall(encode_frame(seal(self.identity, hello_out)))
             self.next = Link(sock, f"{a.next.peer_id[-8:]} (stage {a.stage + 1})", shaper=self._shaper())
-        if a.prev is not None:
-            _, sock = self.acceptor.take(
-                a.run_id, a.prev.peer_id, a.replica, a.stage - 1, self.connect_timeout_s
-            )
-            self.prev = Link(sock, f"{a.prev.peer_id[-8:]} (stage {a.stage - 1})", shaper=self._shaper())
+        return start
 
     def _close_links(self) -> None:
         for link in (self.prev, self.next):
@@ -165,16 +152,16 @@ class StageWorker:
                 link.flush(5.0)
                 link.close()
 
-    def _boundary(self) -> DenseBoundary:
-        ms = self.spec.model
-        return DenseBoundary(ms.d_model, ms.seq_len, ms.vocab, self.spec.pipeline.wire_dtype)
-
-    def _load_checkpoint(self, module: Stage, step: int) -> None:
-        blob = self.store.get(keys.ckpt_key(self.a.run_id, step, self.a.stage))
-        if blob is None:
-            raise RuntimeError(
-                f"no consensus checkpoint at step {step} for stage {self.a.stage}; cannot resume"
-            )
+    def _load_checkpoint(self, module: Stage, step: int, wait_s: float = 120.0) -> None:
+        """Load the consensus weights of `step` (waiting for a checkpoint still being written)."""
+        deadline = time.monotonic() + wait_s
+        while (blob := self.store.get(keys.ckpt_key(self.a.run_id, step, self.a.stage))) is None:
+            if time.monotonic() > deadline or self.should_stop():
+                raise RuntimeError(
+                    f"no consensus checkpoint at step {step} for stage {self.a.stage} after {wait_s:.0f} s; "
+                    "cannot resume"
+                )
+            time.sleep(0.5)
         module.load_state_dict(torch.load(io.BytesIO(blob), weights_only=True))
 
     def _save_checkpoint(self, module: Stage, step: int) -> None:
@@ -183,14 +170,36 @@ class StageWorker:
         self.store.put(keys.ckpt_key(self.a.run_id, step, self.a.stage), buf.getvalue())
         self.store.put(keys.ckpt_latest_key(self.a.run_id, self.a.stage), str(step).encode())
 
+    def abort(self) -> None:
+        """Unblock a worker waiting on its links (the node is reassigned or shutting down)."""
+        for link in (self.prev, self.next):
+            if link is not None:
+                link.close()
+
+    def update_stage_peers(self, stage_peers: dict[str, str]) -> None:
+        """A replica elsewhere was rebuilt with a new node: trust its signer from now on (no restart)."""
+        if self.sync is not None:
+            self.sync.stage_peers = {int(r): p for r, p in stage_peers.items()}
+
     # --- the loop ---------------------------------------------------------------------------------
     def run(self) -> str:
         """Train to the end (returns "done") or until should_stop() says why (returns that reason)."""
         a, spec, m = self.a, self.spec, self.m
         torch.manual_seed(spec.model.init_seed)
-        module = build_stage(spec.model, spec.layer_ranges(), a.stage)
-        if a.start_step > 0:
-            self._load_checkpoint(module, a.start_step)
+        ranges = spec.layer_ranges()
+        module = build_stage(spec.model, ranges, a.stage)
+        # subspace links (DESIGN section 4): keep the residual stream in span(U) + T[x] so k-wide is exact
+        constrain_stage(module, spec.model, spec.pipeline, ranges, a.stage)
+        m.state, m.total_steps = "training", spec.train.total_steps
+        try:
+            start = self._open_links()
+            if start > 0:
+                self._load_checkpoint(module, start)
+                project_weights_(module)
+        except BaseException:
+            self._close_links()
+            raise
+        codec_in, codec_out = boundary_codecs(module, spec.model, spec.pipeline, ranges, a.stage)
         first = a.stage == 0
         corpus = self.corpus_loader(spec.train.data, spec.train.val_fraction) if first else None
         val = (
@@ -202,10 +211,12 @@ class StageWorker:
         opt = torch.optim.AdamW(
             params, lr=spec.train.lr, betas=(0.9, 0.95), weight_decay=spec.train.weight_decay
         )
+        parts = make_sync_parts(spec, self.identity)
         sync = OuterSync(
             params,
             store=self.store,
-            codec=DenseCodec(self.identity),
+            codec=parts.codec,
+            aggregate=parts.aggregate,
             run_id=a.run_id,
             stage=a.stage,
             replica=a.replica,
@@ -214,28 +225,27 @@ class StageWorker:
             P=spec.sync.P,
             tau=spec.sync.tau,
             alpha=spec.sync.alpha,
-            momentum=spec.sync.outer_momentum,
+            momentum=parts.momentum,
             timeout_s=spec.sync.timeout_s,
         )
-        m.state, m.total_steps, m.step = "training", spec.train.total_steps, a.start_step
-        self._open_links()
-        codec = self._boundary()
+        self.sync = sync
+        m.step = start
         pipe = PipelineStage(
             module,
             stage=a.stage,
             n_stages=spec.stages,
             prev=self.prev,
             next=self.next,
-            codec_in=codec if self.prev else None,
-            codec_out=codec if self.next else None,
+            codec_in=codec_in,
+            codec_out=codec_out,
             recv_timeout_s=spec.pipeline.recv_timeout_s,
         )
         tokens_per_step = spec.train.batch_size * spec.model.seq_len
         result = "done"
         try:
-            self._evaluate(pipe, a.start_step, val)
+            self._evaluate(pipe, start, val)
             window_t, window_steps = time.perf_counter(), 0
-            for step in range(a.start_step, spec.train.total_steps):
+            for step in range(start, spec.train.total_steps):
                 reason = self.should_stop()
                 if reason:
                     result = reason
@@ -251,10 +261,13 @@ class StageWorker:
                     else None
                 )
                 stats = pipe.train_step(step, batch, spec.train.microbatches)
+                project_grads_(module)
                 if spec.train.grad_clip > 0:
                     torch.nn.utils.clip_grad_norm_(params, spec.train.grad_clip)
                 opt.step()
+                project_weights_(module)
                 sync.after_inner_step(step + 1)
+                project_weights_(module)  # an outer update (sparse, quantized) leaves span(U)
                 m.step, m.compute_s, m.pipe_wait_s = (
                     step + 1,
                     m.compute_s + stats.compute_s,
@@ -271,7 +284,8 @@ class StageWorker:
                 if (step + 1) % spec.sync.H == 0:
                     rnd = (step + 1) // spec.sync.H
                     m.rounds = rnd
-                    if a.replica == min(int(r) for r in a.stage_peers):
+                    # any replica that took part holds the consensus: the lowest one writes it
+                    if a.replica == min(sync.stats.last_contributors, default=a.replica):
                         self._save_checkpoint(module, step + 1)
                     if spec.eval_every and rnd % spec.eval_every == 0 and step + 1 < spec.train.total_steps:
                         self._evaluate(pipe, step + 1, val)

@@ -47,6 +47,8 @@ class NodeAdvert:
     run_id: str = ""
     replica: int = -1
     stage: int = -1
+    epoch: int = 0
+    """Epoch of the assignment the state refers to (the coordinator ignores reports on older ones)."""
     step: int = 0
     loss: float | None = None
     val_bpb: float | None = None
@@ -97,7 +99,8 @@ class Assignment:
     """Replica index (as a string) -> peer id of the node serving this stage in that replica; the signer
     every cross-replica fragment of this stage must carry."""
     start_step: int = 0
-    """Inner step to start from (a replacement resumes from the latest consensus checkpoint)."""
+    """Inner step to start from; -1 = resume from the latest consensus checkpoint (a replica rebuilt after
+    churn): the first stage picks that step and passes it downstream in its Hello."""
     issued_at: float = 0.0
 
 
@@ -130,3 +133,5 @@ class Hello:
     replica: int
     stage: int
     peer_id: str
+    start_step: int = 0
+    """The inner step the upstream stage starts from; downstream stages adopt it (resume after churn)."""

@@ -6,12 +6,12 @@ the coordinator and published at `{run}/spec` in the store and in the DHT.
 
 from __future__ import annotations
 
+import math
 import re
+import tomllib
 from dataclasses import dataclass, field, fields, replace
 from pathlib import Path
 from typing import Any, Literal
-
-import tomllib
 
 from protocol.schema import SchemaError, from_dict
 
@@ -111,14 +111,40 @@ class SyncSpec:
     """Overlap: inner steps between a fragment's capture and its application (0 <= tau < H)."""
     timeout_s: float = 60.0
     """How long a stage waits for the other replicas' fragments before aggregating what arrived."""
+    k: int = 64
+    """SparseLoCo: coordinates kept (top-k by magnitude) per chunk; 64 of 4096 = 1.56% density."""
+    chunk: int = 4096
+    """SparseLoCo: coordinates per chunk, a perfect square (2-D weights are cut into 64 x 64 tiles)."""
+    beta: float = 0.95
+    """SparseLoCo: error-feedback decay, e = beta * e + Delta before each compression."""
+    aggregation: Literal["mean", "per_coordinate"] = "per_coordinate"
+    """How arrived contributions are averaged: "mean" over arrivals (the paper) or "per_coordinate",
+    each coordinate divided by the number of replicas that sent it (Templar; see docs/benchmarks.md)."""
+    clip_median_norm: bool = False
+    """Scale every contribution whose L2 norm exceeds the median of the round's contributions down to it."""
 
     def __post_init__(self) -> None:
+        if self.method not in ("diloco", "sparseloco"):
+            raise ValueError(f"sync.method={self.method!r} must be 'diloco' or 'sparseloco'")
         if self.H <= 0 or self.P <= 0 or self.P > self.H:
             raise ValueError(f"sync.H={self.H} and sync.P={self.P} must satisfy 0 < P <= H")
         if not 0 <= self.tau < self.H:
             raise ValueError(f"sync.tau={self.tau} must satisfy 0 <= tau < H={self.H}")
         if self.alpha <= 0:
             raise ValueError(f"sync.alpha must be positive, got {self.alpha}")
+        if not 0 <= self.outer_momentum < 1:
+            raise ValueError(f"sync.outer_momentum={self.outer_momentum} must be in [0, 1)")
+        t = math.isqrt(max(self.chunk, 0))
+        if not 1 <= self.chunk <= 65536 or t * t != self.chunk:
+            raise ValueError(
+                f"sync.chunk={self.chunk} must be a perfect square in [1, 65536] (example: 4096 = 64 x 64)"
+            )
+        if not 1 <= self.k <= self.chunk:
+            raise ValueError(f"sync.k={self.k} must be in [1, chunk={self.chunk}]")
+        if not 0 <= self.beta <= 1:
+            raise ValueError(f"sync.beta={self.beta} must be in [0, 1]")
+        if self.aggregation not in ("mean", "per_coordinate"):
+            raise ValueError(f"sync.aggregation={self.aggregation!r} must be 'mean' or 'per_coordinate'")
 
 
 @dataclass(kw_only=True, frozen=True)

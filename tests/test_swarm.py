@@ -202,39 +202,77 @@ def test_bad_input_is_rejected_and_node_keeps_running(swarm: Swarm) -> None:
         assert json.load(r)["status"] == "ok"
 
 
-def test_crashed_replica_does_not_stop_the_other(swarm: Swarm, tmp_path: Path) -> None:
+def _slot_index(swarm: Swarm, run_id: str, replica: int, stage: int) -> int:
+    for i, st in enumerate(swarm.statuses()):
+        m = st["metrics"] if st else None
+        if m and m["run_id"] == run_id and (m["replica"], m["stage"]) == (replica, stage):
+            return i
+    raise AssertionError(f"no node serves {run_id} replica {replica} stage {stage}")
+
+
+def test_lost_node_is_replaced_and_its_replica_resumes(swarm: Swarm, tmp_path: Path) -> None:
+    spare = swarm.add_node(4)
+    swarm.health.append(spare.wait_for(r"health=(\S+)/health", 120).group(1))
     toml = tmp_path / "run.toml"
-    toml.write_text(RUN_TOML.format(run_id="swarm-b", steps=400, H=5, timeout=6))
+    toml.write_text(RUN_TOML.format(run_id="swarm-b", steps=60, H=5, timeout=30))
     swarm.launch(toml)
-    ms = wait_until(
-        lambda: (m := run_metrics(swarm, "swarm-b")) and len(m) == 4 and min(x["step"] for x in m) >= 6 and m,
+    wait_until(
+        lambda: (m := run_metrics(swarm, "swarm-b")) and len(m) == 4 and min(x["step"] for x in m) >= 8,
         300,
         "run swarm-b to pass its first round",
     )
-    sts = swarm.statuses()
-    idx = next(
-        i for i, st in enumerate(sts) if st and (st["metrics"]["replica"], st["metrics"]["stage"]) == (1, 1)
-    )
-    swarm.nodes[idx].kill()
-    alive = [i for i in range(4) if i != idx]
-    step_at_kill = max(m["step"] for m in ms)
+    placed = {i for i, st in enumerate(swarm.statuses()) if st and st["metrics"]["run_id"] == "swarm-b"}
+    (idle,) = set(range(len(swarm.nodes))) - placed  # 5 nodes, 4 slots: one is left free
+    victim = _slot_index(swarm, "swarm-b", 1, 1)
+    swarm.nodes[victim].kill()
 
-    # the surviving replica keeps training past several more rounds, aggregating without the dead one
+    # the coordinator notices, puts the spare node into the hole, and replica 1 resumes from the latest
+    # consensus checkpoint; replica 0 keeps training meanwhile (it only learns replica 1's new signer)
+    def finished():
+        sts = [s for i, s in enumerate(swarm.statuses()) if i != victim and s]
+        ms = [s["metrics"] for s in sts if s["metrics"]["run_id"] == "swarm-b"]
+        return len(ms) == 4 and all(m["state"] == "done" for m in ms) and ms
+
+    ms = wait_until(finished, 300, "swarm-b to finish with the replacement node")
+    assert {(m["replica"], m["stage"]) for m in ms} == {(0, 0), (0, 1), (1, 0), (1, 1)}
+    assert all(m["step"] == 60 for m in ms)
+    replacement = swarm.statuses()[idle]["metrics"]
+    assert replacement["run_id"] == "swarm-b" and (replacement["replica"], replacement["stage"]) == (1, 1)
+    assert "rebuilding replica(s) [1]" in swarm.coordinator.log_text()
+
+
+def test_without_spares_a_crashed_replica_drops_out_and_stop_works(swarm: Swarm, tmp_path: Path) -> None:
+    toml = tmp_path / "run.toml"
+    toml.write_text(RUN_TOML.format(run_id="swarm-c", steps=4000, H=5, timeout=6))
+    swarm.launch(toml)
+    alive_nodes = [i for i, c in enumerate(swarm.nodes) if c.alive]
+    wait_until(
+        lambda: (m := run_metrics(swarm, "swarm-c")) and len(m) == 4 and min(x["step"] for x in m) >= 6,
+        300,
+        "run swarm-c to pass its first round",
+    )
+    victim = _slot_index(swarm, "swarm-c", 1, 1)
+    swarm.nodes[victim].kill()
+    alive = [i for i in alive_nodes if i != victim]
+    step_at_kill = max(m["step"] for m in run_metrics(swarm, "swarm-c"))
+
     def progressed():
-        sts = [swarm.statuses()[i] for i in alive]
-        r0 = [s["metrics"] for s in sts if s and s["metrics"]["replica"] == 0]
+        r0 = [
+            m
+            for i in alive
+            if (s := swarm.statuses()[i]) and (m := s["metrics"])["run_id"] == "swarm-c" and m["replica"] == 0
+        ]
         return len(r0) == 2 and min(m["step"] for m in r0) >= step_at_kill + 15 and r0
 
     r0 = wait_until(progressed, 240, "replica 0 to keep training after replica 1 lost a node")
     assert all(m["fragments_missing"] >= 1 for m in r0)
-    # stop the run through the operator CLI; nodes go idle, the node processes stay up
     c = subprocess.run(
         [
             sys.executable,
             "-m",
             "coordinator.cli",
             "stop",
-            "swarm-b",
+            "swarm-c",
             *swarm.swarm_flags(),
             *swarm.operator_flags(),
         ],

@@ -1,0 +1,41 @@
+"""DiLoCo's dense pseudo-gradient codec (arXiv 2311.08105): fp32 tensors in a signed envelope.
+
+The baseline `FragmentCodec` of `node.outer_sync.OuterSync`; SparseLoCo's is `node.sparseloco_sync`.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from node.outer_sync import FragmentCodec, FragmentId
+from protocol.dense_fragment import decode_dense, encode_dense
+from protocol.identity import Identity
+
+
+def fragment_header(fid: FragmentId) -> dict:
+    """The header fields a fragment is signed under (store key `{run}/sync/s{stage}/f{f}/r{round}/{replica}`)."""
+    return {
+        "run_id": fid.run_id,
+        "stage": fid.stage,
+        "fragment": fid.fragment,
+        "round": fid.round,
+        "replica": fid.replica,
+    }
+
+
+class DenseCodec(FragmentCodec):
+    """DiLoCo's dense fp32 pseudo-gradient, signed by the uploading node."""
+
+    def __init__(self, identity: Identity) -> None:
+        self.identity = identity
+
+    def encode(self, fid: FragmentId, delta: list[torch.Tensor]) -> tuple[bytes, list[torch.Tensor]]:
+        return encode_dense(self.identity, fragment_header(fid), delta), [d.float() for d in delta]
+
+    def decode(
+        self, fid: FragmentId, data: bytes, shapes: list[torch.Size], signer: str
+    ) -> list[torch.Tensor]:
+        return decode_dense(data, fragment_header(fid), shapes, signer)
+
+
+__all__ = ["DenseCodec", "fragment_header"]

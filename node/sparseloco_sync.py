@@ -1,0 +1,134 @@
+"""SparseLoCo's fragment codec for the outer loop, and the factory that picks a run's sync method.
+
+SparseLoCo (arXiv 2508.15706), per stage worker r and fragment f (DESIGN section 3):
+
+    e_r,f = beta * e_r,f + Delta_r,f         # error feedback, one buffer per fragment
+    c_r,f = Q2(TopK_per_chunk(e_r,f))        # k of every 4096 coordinates, 2-bit values
+    e_r,f = e_r,f - decode(c_r,f)            # what was not sent stays for a later round
+
+`SparseLoCoCodec.encode` runs that step and signs the result (`protocol.sparseloco_format`); it returns
+the contribution exactly as every receiver decodes it, so all replicas aggregate the same tensors.
+`SparseLoCoCodec.decode` accepts a fragment only if it is signed by the replica expected at that store
+key and its header names this run, stage, fragment, round, replica, shapes and codec settings.
+
+`make_sync_parts(spec, identity)` turns a `RunSpec`'s [sync] section into what `OuterSync` takes:
+the codec (DiLoCo's dense one or SparseLoCo's), the aggregation and the outer momentum.
+"""
+
+from __future__ import annotations
+
+import logging
+import math
+from typing import NamedTuple
+
+import torch
+
+from node.aggregation import AggregationConfig, aggregate
+from node.dense_sync import DenseCodec
+from node.outer_sync import Aggregator, FragmentCodec, FragmentId
+from protocol.identity import Identity, SignatureError, public_key_of_peer_id
+from protocol.runspec import RunSpec
+from protocol.sparseloco import SparseLoCoConfig, decompress, error_feedback_step
+from protocol.sparseloco_format import FragmentError, FragmentHeader, decode_fragment, encode_fragment
+
+log = logging.getLogger(__name__)
+
+
+class SparseLoCoCodec(FragmentCodec):
+    """Error feedback + chunked top-k + 2-bit values, signed by this node; one buffer e per fragment.
+
+    encode runs on the training thread (it owns the buffers); decode only reads settings, so the I/O
+    thread may call it concurrently.
+    """
+
+    def __init__(self, identity: Identity, cfg: SparseLoCoConfig = SparseLoCoConfig()) -> None:  # noqa: B008
+        self.identity, self.cfg = identity, cfg
+        self.e: dict[int, list[torch.Tensor]] = {}
+        """Error-feedback buffer of each fragment (float32, CPU), created at its first capture."""
+
+    def encode(self, fid: FragmentId, delta: list[torch.Tensor]) -> tuple[bytes, list[torch.Tensor]]:
+        """(signed wire bytes, decode(c)) of this round's Delta; updates the fragment's buffer e."""
+        e = self.e.get(fid.fragment)
+        if e is None or [t.shape for t in e] != [d.shape for d in delta]:
+            e = [torch.zeros(d.shape, dtype=torch.float32) for d in delta]
+        cf, self.e[fid.fragment] = error_feedback_step(e, delta, self.cfg)
+        header = FragmentHeader.of(
+            cf,
+            run_id=fid.run_id,
+            stage=fid.stage,
+            fragment=fid.fragment,
+            round=fid.round,
+            replica=fid.replica,
+        )
+        return encode_fragment(self.identity, header, cf), decompress(cf)
+
+    def expected_header(self, fid: FragmentId, shapes: list[torch.Size]) -> FragmentHeader:
+        """The exact header a valid fragment for `fid` with these tensor shapes carries."""
+        return FragmentHeader(
+            run_id=fid.run_id,
+            stage=fid.stage,
+            fragment=fid.fragment,
+            round=fid.round,
+            replica=fid.replica,
+            shapes=tuple(tuple(int(d) for d in s) for s in shapes),
+            chunk=self.cfg.chunk,
+            k=self.cfg.k,
+            value_bits=self.cfg.value_bits,
+            dense_1d=self.cfg.dense_1d,
+        )
+
+    def decode(
+        self, fid: FragmentId, data: bytes, shapes: list[torch.Size], signer: str
+    ) -> list[torch.Tensor]:
+        """Verify (signed by `signer`'s key, header == expected) and decompress; raise FragmentError."""
+        try:
+            trusted = {public_key_of_peer_id(signer)}
+        except SignatureError as e:
+            raise FragmentError(f"replica {fid.replica}'s peer id cannot sign fragments: {e}") from e
+        expect = self.expected_header(fid, shapes)
+        numel = sum(math.prod(s) for s in expect.shapes)
+        _, cf, _ = decode_fragment(data, trusted=trusted, expect=expect, max_params=max(numel, 1))
+        return decompress(cf)
+
+
+def make_aggregator(cfg: AggregationConfig) -> Aggregator:
+    """`node.aggregation.aggregate` as OuterSync's aggregator: Delta_bar tensors, rejections logged."""
+
+    def aggregate_fn(contribs: dict[int, list[torch.Tensor]]) -> list[torch.Tensor]:
+        agg = aggregate(contribs, cfg)
+        for rej in agg.rejected:
+            log.warning("aggregation left out replica %d: %s", rej.replica, rej.reason)
+        return agg.tensors
+
+    return aggregate_fn
+
+
+class SyncParts(NamedTuple):
+    """What `OuterSync` needs besides the schedule: codec, aggregate and outer momentum."""
+
+    codec: FragmentCodec
+    aggregate: Aggregator
+    momentum: float
+
+
+def make_sync_parts(spec: RunSpec, identity: Identity) -> SyncParts:
+    """The codec, aggregation and outer momentum a run's [sync] section selects.
+
+    method "sparseloco": `SparseLoCoCodec` with the spec's chunk, k and beta; method "diloco": the dense
+    fp32 `DenseCodec`. Both aggregate with `spec.sync.aggregation` (for dense contributions the
+    per-coordinate mean equals the plain mean except where a contribution is exactly zero) and optional
+    median-norm clipping, and use `spec.sync.outer_momentum` (Nesterov; DiLoCo's 0.9, SparseLoCo's 0).
+    """
+    s = spec.sync
+    codec: FragmentCodec
+    if s.method == "sparseloco":
+        codec = SparseLoCoCodec(identity, SparseLoCoConfig(chunk=s.chunk, k=s.k, beta=s.beta))
+    elif s.method == "diloco":
+        codec = DenseCodec(identity)
+    else:  # SyncSpec validates the method; this guards a spec built around that check
+        raise ValueError(f"sync.method={s.method!r} must be 'diloco' or 'sparseloco'")
+    agg_cfg = AggregationConfig(method=s.aggregation, clip_to_median_norm=s.clip_median_norm)
+    return SyncParts(codec=codec, aggregate=make_aggregator(agg_cfg), momentum=s.outer_momentum)
+
+
+__all__ = ["SparseLoCoCodec", "SyncParts", "make_aggregator", "make_sync_parts"]

@@ -1,0 +1,306 @@
+"""SparseLoCo through the outer loop: OuterSync + SparseLoCoCodec against a real S3 server (moto).
+
+Replicas are simulated in one process and driven in lockstep: every replica's capture phase, then every
+replica's apply phase, so that tau = 0 (apply right after capture) cannot deadlock a single thread.
+"""
+
+from __future__ import annotations
+
+import math
+import struct
+import uuid
+from collections.abc import Callable, Iterator
+
+import pytest
+import torch
+
+from node.aggregation import AggregationConfig, aggregate
+from node.outer_sync import FragmentId, OuterSync
+from node.sparseloco_sync import SparseLoCoCodec, make_aggregator, make_sync_parts
+from protocol import keys
+from protocol.identity import Identity
+from protocol.runspec import RunSpec, SyncSpec
+from protocol.sparseloco import SparseLoCoConfig, compress
+from protocol.sparseloco_format import (
+    FragmentError,
+    FragmentHeader,
+    encode_fragment,
+    pack_payload,
+    ratio,
+    seal_payload,
+)
+from protocol.store import ObjectStore, StoreConfig
+
+pytestmark = pytest.mark.timeout(60)
+
+CFG = SparseLoCoConfig()
+AGG = AggregationConfig(method="per_coordinate")
+IDS = [Identity.from_seed(bytes([i + 1]) * 32) for i in range(4)]
+MALLORY = Identity.from_seed(b"\x66" * 32)
+
+
+@pytest.fixture(scope="module")
+def store(moto_store: str) -> ObjectStore:
+    s = ObjectStore(StoreConfig(endpoint_url=moto_store, bucket="sparseloco-sync"))
+    s.ensure_bucket()
+    return s
+
+
+def make_params(shapes: list[tuple[int, ...]]) -> list[torch.nn.Parameter]:
+    g = torch.Generator().manual_seed(0)
+    return [torch.nn.Parameter(torch.randn(s, generator=g) * 0.02) for s in shapes]
+
+
+def make_replicas(
+    store: ObjectStore,
+    shapes: list[tuple[int, ...]],
+    *,
+    R: int,
+    H: int,
+    P: int = 1,
+    tau: int = 0,
+    alpha: float = 1.0,
+    expected: int | None = None,
+) -> tuple[str, list[OuterSync]]:
+    """R replicas of the same initial parameters; `expected` (>= R) replicas are listed as stage peers."""
+    run_id = f"run-{uuid.uuid4().hex[:8]}"
+    peers = {r: IDS[r].peer_id for r in range(expected or R)}
+    syncs = [
+        OuterSync(
+            make_params(shapes),
+            store=store,
+            codec=SparseLoCoCodec(IDS[r], CFG),
+            aggregate=make_aggregator(AGG),
+            run_id=run_id,
+            stage=0,
+            replica=r,
+            stage_peers=peers,
+            H=H,
+            P=P,
+            tau=tau,
+            alpha=alpha,
+            timeout_s=15.0,
+            poll_s=0.01,
+        )
+        for r in range(R)
+    ]
+    return run_id, syncs
+
+
+def inner_step(sync: OuterSync, step: int) -> None:
+    """A stand-in for AdamW: a replica- and step-dependent update of every parameter."""
+    g = torch.Generator().manual_seed(1000 * sync.replica + step)
+    with torch.no_grad():
+        for p in sync.params:
+            p.add_(torch.randn(p.shape, generator=g) * 1e-3)
+
+
+def lockstep(
+    syncs: list[OuterSync], steps: range, before_apply: Callable[[int], None] | None = None
+) -> Iterator[tuple[int, list[list[int]]]]:
+    """Inner step, capture phase for all replicas, then apply phase for all; yields (step, applied)."""
+    for step in steps:
+        for s in syncs:
+            inner_step(s, step)
+        for s in syncs:
+            s.capture_due(step)
+        if before_apply is not None:
+            before_apply(step)
+        yield step, [s.apply_due(step) for s in syncs]
+
+
+@pytest.fixture
+def closer() -> Iterator[list[OuterSync]]:
+    opened: list[OuterSync] = []
+    yield opened
+    for s in opened:
+        s._io.shutdown(wait=True, cancel_futures=True)
+
+
+def assert_same_anchors(syncs: list[OuterSync]) -> None:
+    for s in syncs[1:]:
+        for a, b in zip(syncs[0].anchor, s.anchor, strict=True):
+            assert torch.equal(a, b), "replicas disagree on the consensus"
+
+
+SHAPES = [(128, 192), (64,), (100, 70)]
+
+
+def test_round_gives_bit_identical_anchors(store: ObjectStore, closer: list[OuterSync]) -> None:
+    _, syncs = make_replicas(store, SHAPES, R=3, H=3, alpha=1.0)
+    closer.extend(syncs)
+    start = [a.clone() for a in syncs[0].anchor]
+    applied = {step: a for step, a in lockstep(syncs, range(1, 7))}
+    assert applied[3] == applied[6] == [[0]] * 3 and applied[1] == [[]] * 3
+    assert_same_anchors(syncs)
+    for s in syncs:
+        assert s.stats.rounds_applied == 2 and s.stats.rejected == s.stats.missing == 0
+        assert s.stats.last_contributors == [0, 1, 2]
+        for p, a in zip(s.params, s.anchor, strict=True):
+            assert torch.equal(p.detach(), a)  # tau = 0: nothing drifted since the capture
+    moved = [float((a - b).abs().max()) for a, b in zip(syncs[0].anchor, start, strict=True)]
+    assert all(m > 0 for m in moved)
+    # the error-feedback buffers hold what was not sent; with 1.56% sent they are nearly all of Delta
+    e = syncs[0].codec.e[0]  # type: ignore[attr-defined]
+    assert [t.shape for t in e] == [torch.Size(s) for s in SHAPES] and float(e[0].abs().sum()) > 0
+
+
+def test_bytes_per_round_match_the_ratio(store: ObjectStore, closer: list[OuterSync]) -> None:
+    shapes = [(256, 256), (256,), (512, 256), (256, 512)]
+    run_id, syncs = make_replicas(store, shapes, R=2, H=2, P=2)
+    closer.extend(syncs)
+    rounds = 2
+    for _ in lockstep(syncs, range(1, 2 * rounds + 1)):
+        pass
+    codec = SparseLoCoCodec(IDS[0], CFG)
+    want = 0.0  # dense fp32 bytes / ratio, per fragment, with the fragment's real header
+    for f, idx in enumerate(syncs[0].fragments):
+        fs = [torch.Size(shapes[i]) for i in idx]
+        header = codec.expected_header(FragmentId(run_id, 0, f, 0, 0), fs)
+        dense = 4 * sum(math.prod(s) for s in fs)
+        want += dense / ratio([tuple(s) for s in fs], CFG, header=header)
+    for s in syncs:
+        per_round = s.stats.bytes_up / rounds
+        assert abs(per_round - want) <= 0.10 * want, f"{per_round:.0f} B/round, dense/ratio = {want:.0f} B"
+        dense_all = 4 * sum(math.prod(sh) for sh in shapes)
+        assert dense_all / per_round > 150  # headers included, on this 0.4M-parameter stage
+
+
+def valid_blob(identity: Identity, fid: FragmentId, shapes: list[tuple[int, ...]]) -> tuple[bytes, bytes]:
+    """(signed fragment bytes, its payload) of a random pseudo-gradient."""
+    g = torch.Generator().manual_seed(7)
+    cf = compress([torch.randn(s, generator=g) for s in shapes], CFG)
+    header = FragmentHeader.of(
+        cf, run_id=fid.run_id, stage=fid.stage, fragment=fid.fragment, round=fid.round, replica=fid.replica
+    )
+    return encode_fragment(identity, header, cf), pack_payload(cf)
+
+
+def corrupt(kind: str, fid: FragmentId, shapes: list[tuple[int, ...]]) -> bytes:
+    data, payload = valid_blob(IDS[fid.replica], fid, shapes)
+    if kind == "bad-signature":  # one payload bit flipped after signing
+        b = bytearray(data)
+        b[len(b) // 2] ^= 0x01
+        return bytes(b)
+    if kind == "untrusted-signer":  # well formed, but signed by a key that is not this replica's
+        return valid_blob(MALLORY, fid, shapes)[0]
+    if kind == "nan-scale":  # the first tensor scale set to NaN, then properly signed by the replica
+        cf = compress([torch.ones(s) for s in shapes], CFG)
+        header = FragmentHeader.of(
+            cf,
+            run_id=fid.run_id,
+            stage=fid.stage,
+            fragment=fid.fragment,
+            round=fid.round,
+            replica=fid.replica,
+        )
+        p = bytearray(payload)
+        p[6:10] = struct.pack("<f", float("nan"))  # u16 M | u32 U | f32 ref[0] ...
+        return seal_payload(IDS[fid.replica], header, bytes(p))
+    if kind == "truncated":
+        return data[: len(data) * 2 // 3]
+    raise AssertionError(kind)
+
+
+KINDS = ["bad-signature", "untrusted-signer", "nan-scale", "truncated"]
+
+
+def test_corrupted_fragments_are_rejected_and_the_round_completes(
+    store: ObjectStore, closer: list[OuterSync]
+) -> None:
+    """Replica 2 is an expected stage peer whose uploads are corrupted; replicas 0 and 1 go on."""
+    H = 2
+    run_id, syncs = make_replicas(store, SHAPES, R=2, H=H, expected=3)
+    closer.extend(syncs)
+    checker = SparseLoCoCodec(IDS[0], CFG)
+    for rnd, kind in enumerate(KINDS):
+        fid = FragmentId(run_id, 0, 0, rnd, 2)
+        blob = corrupt(kind, fid, SHAPES)
+        with pytest.raises(FragmentError):  # what each replica's I/O thread will see
+            checker.decode(fid, blob, [torch.Size(s) for s in SHAPES], IDS[2].peer_id)
+        store.put(keys.sync_key(run_id, 0, 0, rnd, 2), blob)
+        phases = [a for _, a in lockstep(syncs, range(rnd * H + 1, (rnd + 1) * H + 1))]
+        assert phases[-1] == [[0], [0]], kind
+        for s in syncs:
+            assert s.stats.rejected == rnd + 1, kind
+            assert s.stats.rounds_applied == rnd + 1 and s.stats.missing == 0
+            assert s.stats.last_contributors == [0, 1]
+        assert_same_anchors(syncs)
+    for s in syncs:
+        assert all(bool(torch.isfinite(a).all()) for a in s.anchor)
+
+
+@pytest.mark.parametrize("tau", [1, 2])
+def test_streaming_applies_at_c_plus_tau_and_keeps_the_drift(
+    store: ObjectStore, closer: list[OuterSync], tau: int
+) -> None:
+    H, P, alpha = 4, 2, 0.8
+    shapes = [(64, 96), (32,), (96, 64), (48, 48)]  # fragment 0: tensors 0, 2; fragment 1: tensors 1, 3
+    run_id, syncs = make_replicas(store, shapes, R=2, H=H, P=P, tau=tau, alpha=alpha)
+    closer.extend(syncs)
+    assert syncs[0].fragments == [[0, 2], [1, 3]]
+    q = H // P
+    c = {f: (f + 1) * q for f in range(P)}  # c_f within a cycle
+    captured: dict[tuple[int, int], list[list[torch.Tensor]]] = {}  # (f, round) -> per replica theta(c_f)
+    before: dict[int, list[list[torch.Tensor]]] = {}  # step -> per replica params before the apply phase
+    anchors: dict[int, list[list[torch.Tensor]]] = {}
+
+    def snapshot(step: int) -> None:
+        before[step] = [[p.detach().clone() for p in s.params] for s in syncs]
+        anchors[step] = [[a.clone() for a in s.anchor] for s in syncs]
+        for f in range(P):
+            if step % H == c[f] % H:
+                rnd = (step - 1) // H
+                captured[(f, rnd)] = [[p.detach().clone() for p in s.params] for s in syncs]
+
+    steps = range(1, 3 * H + tau + 1)
+    for step, applied in lockstep(syncs, steps, before_apply=snapshot):
+        due = [f for f in range(P) if step - tau > 0 and (step - tau) % H == c[f] % H]
+        assert applied == [due] * len(syncs), (step, applied)
+        for f in due:
+            rnd = (step - tau - 1) // H
+            # Delta_bar from the fragments in the store, decoded independently of the replicas
+            contribs = {}
+            for r in range(len(syncs)):
+                blob = store.get(keys.sync_key(run_id, 0, f, rnd, r))
+                assert blob is not None
+                fs = [syncs[0].params[i].shape for i in syncs[0].fragments[f]]
+                contribs[r] = SparseLoCoCodec(IDS[r], CFG).decode(
+                    FragmentId(run_id, 0, f, rnd, r), blob, fs, IDS[r].peer_id
+                )
+            delta_bar = aggregate(contribs, AGG).tensors
+            for r, s in enumerate(syncs):
+                for j, i in enumerate(s.fragments[f]):
+                    anchor_new = anchors[step][r][i] - alpha * delta_bar[j]
+                    drift = before[step][r][i] - captured[(f, rnd)][r][i]  # theta(a_f) - theta(c_f)
+                    assert float(drift.abs().max()) > 0  # tau > 0 steps did train in between
+                    torch.testing.assert_close(s.anchor[i], anchor_new, rtol=0, atol=1e-7)
+                    torch.testing.assert_close(s.params[i].detach(), anchor_new + drift, rtol=0, atol=1e-7)
+                for i in s.fragments[1 - f]:  # the other fragment is not touched
+                    assert torch.equal(s.params[i].detach(), before[step][r][i])
+                    assert torch.equal(s.anchor[i], anchors[step][r][i])
+    assert_same_anchors(syncs)
+    assert all(s.stats.rounds_applied == 3 * P for s in syncs)
+
+
+def test_sync_spec_and_factory() -> None:
+    spec = RunSpec(run_id="t")
+    assert (spec.sync.k, spec.sync.chunk, spec.sync.beta) == (64, 4096, 0.95)
+    parts = make_sync_parts(RunSpec(run_id="t", sync=SyncSpec(method="sparseloco", k=32)), IDS[0])
+    assert isinstance(parts.codec, SparseLoCoCodec) and parts.codec.cfg.k == 32 and parts.momentum == 0.0
+    dense = make_sync_parts(RunSpec(run_id="t", sync=SyncSpec(method="diloco", outer_momentum=0.9)), IDS[0])
+    assert type(dense.codec).__name__ == "DenseCodec" and dense.momentum == 0.9
+    x = {0: [torch.tensor([1.0, 0.0])], 1: [torch.tensor([3.0, 2.0])]}
+    assert parts.aggregate(x)[0].tolist() == [2.0, 2.0]  # per-coordinate: 2.0 is not diluted to 1.0
+    mean = make_sync_parts(RunSpec(run_id="t", sync=SyncSpec(aggregation="mean")), IDS[0])
+    assert mean.aggregate(x)[0].tolist() == [2.0, 1.0]
+    for bad, what in [
+        ({"chunk": 4000}, "perfect square"),
+        ({"k": 0}, "sync.k"),
+        ({"beta": 1.5}, "sync.beta"),
+        ({"aggregation": "median"}, "aggregation"),
+        ({"method": "adam"}, "method"),
+        ({"outer_momentum": 1.0}, "outer_momentum"),
+    ]:
+        with pytest.raises(ValueError, match=what):
+            SyncSpec(**bad)  # type: ignore[arg-type]

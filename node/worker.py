@@ -245,6 +245,7 @@ class StageWorker:
         try:
             self._evaluate(pipe, start, val)
             window_t, window_steps = time.perf_counter(), 0
+            last_log = window_t
             for step in range(start, spec.train.total_steps):
                 reason = self.should_stop()
                 if reason:
@@ -280,6 +281,9 @@ class StageWorker:
                 if now - window_t > 2.0:
                     m.tokens_per_s = window_steps * tokens_per_step / (now - window_t)
                     window_t, window_steps = now, 0
+                if now - last_log > 10.0:
+                    last_log = now
+                    self._log_progress()
                 self._update_io(sync)
                 if (step + 1) % spec.sync.H == 0:
                     rnd = (step + 1) // spec.sync.H
@@ -299,6 +303,24 @@ class StageWorker:
             self._close_links()
         m.state = "done" if result == "done" else "idle"
         return result
+
+    def _log_progress(self) -> None:
+        m = self.m
+        loss = f"{m.loss / LN2:.3f} bits/byte" if m.loss is not None else "-"
+        log.info(
+            "run %s r%d/s%d step %d/%d  train %s  %.0f tok/s  pipeline %.1f MB  store %.1f MB  waits: pipe %.1f s, sync %.1f s",
+            self.a.run_id,
+            self.a.replica,
+            self.a.stage,
+            m.step,
+            m.total_steps,
+            loss,
+            m.tokens_per_s,
+            (m.bytes_pipe_sent + m.bytes_pipe_recv) / 1e6,
+            (m.bytes_store_up + m.bytes_store_down) / 1e6,
+            m.pipe_wait_s,
+            m.sync_wait_s,
+        )
 
     def _evaluate(self, pipe: PipelineStage, step: int, val: list[torch.Tensor] | None) -> None:
         loss = pipe.evaluate(step, val, self.spec.train.eval_batches)

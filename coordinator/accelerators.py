@@ -70,24 +70,35 @@ def get_accelerator(name: str) -> Accelerator:
 
 
 @functools.lru_cache(maxsize=4)
-def measure_cpu_tflops(n: int = 1024, repeats: int = 5, dtype_name: str = "float32") -> float:
+def measure_cpu_tflops(
+    n: int = 1024, repeats: int = 5, dtype_name: str = "float32", threads: int | None = None
+) -> float:
     """Measured dense matmul throughput of this CPU in TFLOP/s (best of `repeats`).
 
     An (n x n) @ (n x n) matmul costs 2 n^3 FLOPs. Uses torch's current intra-op thread count, the same
-    threads a CPU stage trains with, so the figure is the CPU's achievable peak for training. Cached:
-    one measurement per process.
+    threads a CPU stage trains with, so the figure is the CPU's achievable peak for training; `threads`
+    measures with that many instead. With `threads=1` (one core: the local swarm's nodes run one thread
+    each) the product runs on the calling thread and is timed by that thread's CPU clock, so other
+    processes preempting it on a busy machine do not count. Cached: one measurement per argument set.
     """
     import torch  # deferred: planning a GPU pool must not pay torch's import time
 
-    dtype = getattr(torch, dtype_name)
-    a = torch.randn(n, n, dtype=dtype)
-    b = torch.randn(n, n, dtype=dtype)
-    torch.matmul(a, b)  # warm-up: first call allocates and picks a kernel
-    best = float("inf")
-    for _ in range(repeats):
-        t0 = time.perf_counter()
-        torch.matmul(a, b)
-        best = min(best, time.perf_counter() - t0)
+    before = torch.get_num_threads()
+    if threads is not None:
+        torch.set_num_threads(threads)
+    try:
+        dtype = getattr(torch, dtype_name)
+        a = torch.randn(n, n, dtype=dtype)
+        b = torch.randn(n, n, dtype=dtype)
+        torch.matmul(a, b)  # warm-up: first call allocates and picks a kernel
+        clock = time.thread_time if threads == 1 else time.perf_counter
+        best = float("inf")
+        for _ in range(repeats):
+            t0 = clock()
+            torch.matmul(a, b)
+            best = min(best, clock() - t0)
+    finally:
+        torch.set_num_threads(before)
     return 2.0 * n**3 / best / 1e12
 
 

@@ -29,14 +29,15 @@ s = 4096 reproduces it (s = 8192 would give 54.9%).
 
 from __future__ import annotations
 
+import functools
 import math
+import tomllib
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Literal
 
-import tomllib
-
 from coordinator.accelerators import get_accelerator, peak_tflops
+from protocol.runspec import ModelSpec
 from protocol.schema import SchemaError, from_dict
 
 ATTENTION_COEF_FLASH = 14.0
@@ -92,6 +93,19 @@ class ModelShape:
     def n_params(self) -> int:
         """N, all parameters, embeddings included."""
         return self.n_layers * self.layer_params + self.vocab * self.d_model + self.head_params
+
+    @classmethod
+    def from_spec(cls, model: ModelSpec) -> ModelShape:
+        """The shape of a run spec's [model] (node/model.py): plain multi-head attention, untied head."""
+        return cls(
+            n_layers=model.n_layers,
+            d_model=model.d_model,
+            n_heads=model.n_heads,
+            n_kv_heads=model.n_heads,
+            d_ff=model.d_ff,
+            vocab=model.vocab,
+            seq_len=model.seq_len,
+        )
 
     def flops_per_token(self, attention_coef: float = ATTENTION_COEF_FLASH) -> float:
         """F = 6 N + attention_coef x L d s (module docstring: 14 FlashAttention, 12 PaLM)."""
@@ -454,7 +468,9 @@ class LinkPlan:
     """Serialization time of one message, each direction (links are full duplex)."""
     rtt_ms: float
     hidden: bool
-    """The transfer costs no time: it fits the slot and (1F1B) its share of the round-trip slack."""
+    """Compute hides the transfer: replayed with this link's messages instantaneous (latency kept),
+    the step is shorter by no more than 2 transfer_s, the first forward's and the last backward's,
+    which no schedule can hide."""
 
 
 @dataclass(kw_only=True, frozen=True)
@@ -507,6 +523,105 @@ class _ReplicaStep:
     fragment_transfer_s: float
 
 
+def warmup_forwards(S: int, s: int, extra_in_flight: int = 0) -> int:
+    """1F1B warm-up forwards of stage s: S - s - 1, plus extra_in_flight x (S - s - 1) / (S - 1) rounded
+    up, so stage 0 keeps S + extra in flight and the last stage none.
+
+    What hides a link is the difference between neighbours: stage s waits on B(i) after F(i) for
+    (w_s - w_{s+1}) of its own microbatches, and that must cover the round trip to s + 1. Growing the
+    warm-up with the distance to the last stage gives every link its share; adding the same `extra`
+    to every non-last stage leaves a difference of 1 except at the last link, so with S >= 3 the other
+    links still stall every microbatch (the replay shows it: S = 4, rtt + 2 t_x = t_c / 2, extra 4: a
+    period of 1.34 t_c against 1.0).
+    """
+    if not 0 <= s < S:
+        raise ValueError(f"stage {s} is outside 0..{S - 1}")
+    return S - s - 1 + math.ceil(extra_in_flight * (S - s - 1) / max(1, S - 1))
+
+
+def schedule_step(
+    f: list[float],
+    b: list[float],
+    t_x: list[float],
+    delay: list[float],
+    M: int,
+    schedule: Literal["1f1b", "gpipe"] = "1f1b",
+    extra_in_flight: int = 0,
+) -> float:
+    """Seconds of one inner step of one replica: its pipeline schedule replayed op by op.
+
+    f[s], b[s]: forward and backward compute of stage s per microbatch; t_x[l], delay[l]: serialization
+    and one-way latency of link l (stage l -> l+1), each direction a FIFO of its own (full duplex).
+    Stage s runs node/schedule.py's order: 1F1B does `warmup_forwards(S, s, extra_in_flight)` forwards,
+    then alternates forward and backward, then drains; GPipe all forwards, then all backwards. An op starts when its stage is free and its input has arrived; a message starts
+    serializing when its op ends and the link direction is free, and arrives t_x + delay later::
+
+        F(s, i) starts at max(stage s free, arrival of activation i from s-1)
+        B(s, i) starts at max(stage s free, arrival of gradient i from s+1)   (last stage: its F)
+        message: start = max(op end, direction free); arrival = start + t_x + delay
+
+    With ideal links and equal stages this is (M + S - 1)(f + b), the textbook bubble. With slow links
+    it is exact where a closed form is not: when the round trip binds, the steady state spends
+    (sum t_c + sum (rtt + 2 t_x)) / W per microbatch and the bubble is already inside it.
+    Cached: replicas on identical hosts cost one replay.
+    """
+    return _schedule_step(tuple(f), tuple(b), tuple(t_x), tuple(delay), M, schedule, extra_in_flight)
+
+
+@functools.lru_cache(maxsize=4096)
+def _schedule_step(
+    f: tuple[float, ...],
+    b: tuple[float, ...],
+    t_x: tuple[float, ...],
+    delay: tuple[float, ...],
+    M: int,
+    schedule: str,
+    extra_in_flight: int,
+) -> float:
+    S = len(f)
+    order: list[list[tuple[str, int]]] = []
+    for s in range(S):
+        if schedule == "gpipe":
+            order.append([("F", i) for i in range(M)] + [("B", i) for i in range(M)])
+            continue
+        w = min(M, warmup_forwards(S, s, extra_in_flight))
+        ops = [("F", i) for i in range(w)]
+        for i in range(w, M):
+            ops += [("F", i), ("B", i - w)]
+        order.append(ops + [("B", i) for i in range(M - w, M)])
+    act: dict[tuple[int, int], float] = {}  # (stage, microbatch) -> when its input activation arrives
+    grad: dict[tuple[int, int], float] = {}  # (stage, microbatch) -> when its output gradient arrives
+    fwd_free, bwd_free = [0.0] * (S - 1), [0.0] * (S - 1)
+    free, nxt = [0.0] * S, [0] * S
+    left = sum(len(ops) for ops in order)
+    while left:
+        moved = False
+        for s in range(S):
+            while nxt[s] < len(order[s]):
+                kind, i = order[s][nxt[s]]
+                if kind == "F":
+                    ready = 0.0 if s == 0 else act.get((s, i))
+                else:
+                    ready = 0.0 if s == S - 1 else grad.get((s, i))
+                if ready is None:
+                    break  # waits on a neighbour: try the other stages
+                end = max(free[s], ready) + (f[s] if kind == "F" else b[s])
+                free[s] = end
+                if kind == "F" and s < S - 1:
+                    start = max(end, fwd_free[s])
+                    fwd_free[s] = start + t_x[s]
+                    act[(s + 1, i)] = start + t_x[s] + delay[s]
+                elif kind == "B" and s > 0:
+                    start = max(end, bwd_free[s - 1])
+                    bwd_free[s - 1] = start + t_x[s - 1]
+                    grad[(s - 1, i)] = start + t_x[s - 1] + delay[s - 1]
+                nxt[s] += 1
+                left -= 1
+                moved = True
+        assert moved, "pipeline schedule deadlocked"  # cannot happen: both orders are deadlock-free
+    return max(free)
+
+
 def _replica_step(
     shape: ModelShape, hosts: tuple[Host, ...], r: int, R: int, layers: tuple[int, ...], settings: RunSettings
 ) -> _ReplicaStep:
@@ -529,7 +644,7 @@ def _replica_step(
         # left after compute and latency is shared evenly by the 2 (S-1) messages.
         budget = min(slot, max(0.0, W * slot - sum(t_c) - sum(rtt)) / (2 * (S - 1)))
     fill_cap = settings.fill_share * (M + S - 1) * slot / (2 * max(1, S - 1))
-    links, t_x = [], []
+    ks, sizes, t_x = [], [], []
     for i in range(S - 1):  # boundary i: stage i -> i + 1
         mbps = min(hosts[i].link_mbps, hosts[i + 1].link_mbps)
         if settings.k:
@@ -539,24 +654,31 @@ def _replica_step(
                 d_model=d, tokens=tokens_mb, bandwidth_mbps=mbps, compute_s=min(budget, fill_cap), **wire
             )
             k = min(max(fit or 0, settings.k_min), d)
-        n_bytes = activation_bytes(k=k, d_model=d, tokens=tokens_mb, **wire)
-        t_x.append(transfer_s(n_bytes, mbps))
-        links.append(
-            LinkPlan(
-                replica=r,
-                boundary=i,
-                k=k,
-                bytes_per_microbatch=n_bytes,
-                transfer_s=t_x[-1],
-                rtt_ms=rtt[i] * 1e3,
-                hidden=t_x[-1] <= budget,
-            )
+        ks.append(k)
+        sizes.append(activation_bytes(k=k, d_model=d, tokens=tokens_mb, **wire))
+        t_x.append(transfer_s(sizes[-1], mbps))
+    # the node's schedule replayed: forward = 1/3 of a microbatch's compute (2N of the 6N FLOPs)
+    f, b = [t / 3 for t in t_c], [2 * t / 3 for t in t_c]
+    half_rtt = [rt / 2 for rt in rtt]
+
+    def replay(tx: list[float], delay: list[float]) -> float:
+        return schedule_step(f, b, tx, delay, M, settings.schedule, settings.extra_in_flight)
+
+    step = replay(t_x, half_rtt)
+    step_ideal_links = replay([0.0] * (S - 1), [0.0] * (S - 1))
+    links = [
+        LinkPlan(
+            replica=r,
+            boundary=i,
+            k=ks[i],
+            bytes_per_microbatch=sizes[i],
+            transfer_s=t_x[i],
+            rtt_ms=rtt[i] * 1e3,
+            hidden=step - replay([0.0 if j == i else x for j, x in enumerate(t_x)], half_rtt)
+            <= 2 * t_x[i] + 1e-6 * step,
         )
-    fill = sum(rt + 2 * tx for rt, tx in zip(rtt, t_x, strict=True))
-    T = max([slot, *t_x])
-    if settings.schedule == "1f1b" and S > 1:
-        T = max(T, (sum(t_c) + fill) / W)
-    step = (M + S - 1) * T + fill
+        for i in range(S - 1)
+    ]
     # SparseLoCo: every stage streams P fragments per H steps; the stage that blocks longest stalls all.
     sync, t_f_max = 0.0, 0.0
     P, H, tau = settings.fragments, settings.H, settings.tau
@@ -575,8 +697,8 @@ def _replica_step(
     seconds = dict(
         compute=ideal,
         imbalance=M * slot - ideal,
-        bubble=(S - 1) * slot,
-        link_wait=(M + S - 1) * (T - slot) + fill,
+        bubble=step_ideal_links - M * slot,
+        link_wait=step - step_ideal_links,
         sync_wait=sync,
     )
     return _ReplicaStep(seconds=seconds, step_s=step + sync, links=links, fragment_transfer_s=t_f_max)
@@ -587,10 +709,10 @@ def predict(shape: ModelShape, layout: Layout, settings: RunSettings) -> Predict
 
     Per replica, with t_c[s] the compute of stage s per microbatch and t_x[l] a link's message time::
 
-        t_c[s]  = work[s] x b s / (peak[s] x ceiling)
-        T       = max(max t_c, max t_x)                      # steady-state pipeline slot
-        T       = max(T, (sum t_c + sum (rtt + 2 t_x)) / W)  # 1F1B: W = S (+extra) in flight
-        step    = (M + S - 1) T + sum_links (rtt + 2 t_x) + sync_wait
+        t_c[s]  = work[s] x b s / (peak[s] x ceiling)       # forward t_c / 3, backward 2 t_c / 3
+        step    = schedule_step(t_c / 3, 2 t_c / 3, t_x, rtt / 2) + sync_wait   # replayed op by op:
+                  (M + S - 1) t_c for balanced stages on ideal links; in steady state a microbatch takes
+                  T = max(max t_c, max t_x, (sum t_c + sum (rtt + 2 t_x)) / W), W = S (+extra) in flight
         sync    = max(P max(0, t_f - tau step), P t_f - H step) / H   # per inner step, per stage
         t_f     = params_s x 4 / ratio / P x max(1, R - 1) x 8 / store_bps  # up 1 copy, down R-1
 

@@ -4,6 +4,10 @@ final report.
 
   crucible-swarm                         # 2 replicas x 2 stages on the Python standard library's source
   crucible-swarm --data ~/corpus --steps 600 --sync sparseloco
+  crucible-swarm --steps 60 --H 30 --bandwidth-mbps 20 --delay-ms 5   # WAN-shaped pipeline links
+
+Before launch the planner calibrates on this machine (coordinator/calibrate.py) and prints its prediction;
+progress lines and the report show predicted tokens/s next to measured.
 """
 
 from __future__ import annotations
@@ -13,12 +17,14 @@ import json
 import signal
 import sys
 import time
+import tomllib
 import urllib.request
 from pathlib import Path
 
-import tomllib
-
 from scripts.procs import Child, ProcessFailed
+
+NODE_PRICE_PER_HOUR = 0.10
+"""$/h every swarm node advertises; the prediction prices tokens with it."""
 
 DEFAULT_RUN = """\
 [run]
@@ -72,7 +78,54 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
         "--out", type=Path, help="directory for logs, keys and the report (default runs/<run id>)"
     )
     ap.add_argument("--timeout-s", type=float, default=900, help="give up after this long (default 900)")
+    link = ap.add_argument_group("pipeline links (set [pipeline] in the generated run.toml)")
+    link.add_argument(
+        "--bandwidth-mbps",
+        type=float,
+        help="in-process shaper: Mbit/s per direction of every pipeline link (example: --bandwidth-mbps 20)",
+    )
+    link.add_argument(
+        "--delay-ms", type=float, help="in-process shaper: one-way delay per link (example: --delay-ms 5)"
+    )
+    link.add_argument(
+        "--link-k",
+        type=_int_list,
+        help="subspace width of each of the S-1 links, comma-separated; d_model = dense (example: --link-k 32)",
+    )
+    ap.add_argument(
+        "--no-calibrate",
+        action="store_true",
+        help="skip the planner's calibration and prediction before launch (saves ~20 s)",
+    )
     return ap.parse_args(argv)
+
+
+def _int_list(text: str) -> list[int]:
+    try:
+        return [int(v) for v in text.split(",") if v.strip()]
+    except ValueError:
+        raise argparse.ArgumentTypeError(
+            f"{text!r} is not a comma-separated list of integers (example: 32,64)"
+        ) from None
+
+
+def set_pipeline(run_toml: str, **values: object) -> str:
+    """`run_toml` with these [pipeline] keys set (replaced if present, the section added if missing);
+    None values are left alone."""
+    values = {k: v for k, v in values.items() if v is not None}
+    if not values:
+        return run_toml
+    lines = run_toml.splitlines()
+    head = next((i for i, ln in enumerate(lines) if ln.strip() == "[pipeline]"), None)
+    if head is None:
+        lines += ["", "[pipeline]"]
+        head = len(lines) - 1
+    end = next((i for i in range(head + 1, len(lines)) if lines[i].lstrip().startswith("[")), len(lines))
+    body = [ln for ln in lines[head + 1 : end] if ln.split("=")[0].strip() not in values]
+    new = [f"{k} = {json.dumps(v)}" for k, v in values.items()]
+    out = "\n".join(lines[: head + 1] + new + body + lines[end:]) + "\n"
+    tomllib.loads(out)  # a bad value must fail here, not in every node
+    return out
 
 
 def _get_status(url: str) -> dict | None:
@@ -139,7 +192,7 @@ class Swarm:
                 "--torch-threads",
                 "1",
                 "--price-per-hour",
-                "0.10",
+                f"{NODE_PRICE_PER_HOUR:.2f}",
             ],
             self.node_env,
         )
@@ -169,7 +222,7 @@ class Swarm:
         return codes
 
 
-def progress_line(statuses: list[dict | None], elapsed: float) -> str:
+def progress_line(statuses: list[dict | None], elapsed: float, predicted: float | None = None) -> str:
     ms = [s["metrics"] for s in statuses if s]
     if not ms:
         return f"[{elapsed:5.0f}s] waiting for nodes"
@@ -183,10 +236,194 @@ def progress_line(statuses: list[dict | None], elapsed: float) -> str:
     step = f"{min(steps)}/{total}" if steps else "-"
     loss = f"{sum(losses) / len(losses) / 0.6931:.3f}" if losses else "-"
     val = f"{sum(vals) / len(vals):.3f}" if vals else "-"
+    pred = f" (predicted {predicted:5.0f})" if predicted else ""
     return (
         f"[{elapsed:5.0f}s] step {step:>9}  train {loss:>6} bits/byte  val {val:>6} bits/byte  "
-        f"{tok:7.0f} tok/s  pipeline {_fmt_bytes(pipe):>9}  store {_fmt_bytes(store):>9}"
+        f"{tok:7.0f} tok/s{pred}  pipeline {_fmt_bytes(pipe):>9}  store {_fmt_bytes(store):>9}"
     )
+
+
+class StepClock:
+    """When each node was first seen at (or past) each inner step: the measured side of the report.
+
+    Steady-state throughput counts only inner steps that hold nothing but training. At a round boundary
+    b (every H steps) a stage applies the outer sync before it reports step b, then saves the checkpoint
+    and evaluates before step b + 1 starts; the first step also carries start-up. So per round the clean
+    stretch is from step b + 1 to step b' - 1 (H - 2 steps), timed by the polls that first saw each
+    count (the poll lag, under the poll interval, is the same at both ends and cancels on average).
+    Per replica the stretches of its S stage nodes are averaged; replicas add up.
+    """
+
+    def __init__(self) -> None:
+        self.first_seen: dict[tuple[int, int], dict[int, float]] = {}
+
+    def observe(self, statuses: list[dict | None], now: float, run_id: str) -> None:
+        for st in statuses:
+            m = st["metrics"] if st else None
+            if not m or m.get("run_id") != run_id or m["state"] not in ("training", "done"):
+                continue
+            seen = self.first_seen.setdefault((m["replica"], m["stage"]), {})
+            for n in range(max(seen, default=0) + 1, m["step"] + 1):
+                seen[n] = now
+
+    def as_dict(self, t0: float) -> dict[str, dict[int, float]]:
+        """{"r0s1": {step: seconds after t0}} for steps.json."""
+        return {
+            f"r{r}s{s}": {n: round(t - t0, 3) for n, t in seen.items()}
+            for (r, s), seen in sorted(self.first_seen.items())
+        }
+
+    def steady_steps_per_s(self, H: int, total: int) -> dict[int, float]:
+        """Replica -> inner steps/s over the clean stretches (class docstring)."""
+        per_node: dict[tuple[int, int], float] = {}
+        for node, seen in self.first_seen.items():
+            steps = seconds = 0.0
+            for b in range(0, total, H):
+                lo, hi = b + 1, min(b + H, total) - 1
+                if hi > lo and lo in seen and hi in seen:
+                    steps, seconds = steps + hi - lo, seconds + seen[hi] - seen[lo]
+            if seconds > 0:
+                per_node[node] = steps / seconds
+        replicas = {r for r, _ in per_node}
+        return {
+            r: sum(v for (rr, _), v in per_node.items() if rr == r) / sum(1 for rr, _ in per_node if rr == r)
+            for r in replicas
+        }
+
+    def overall_steps_per_s(self, total: int) -> dict[int, float]:
+        """Replica -> steps/s from step 1 to the last step: outer syncs, checkpoints and the evaluations
+        between rounds included (start-up and the final evaluation are not)."""
+        out: dict[int, list[float]] = {}
+        for (r, _), seen in self.first_seen.items():
+            if 1 in seen and total in seen and seen[total] > seen[1]:
+                out.setdefault(r, []).append((total - 1) / (seen[total] - seen[1]))
+        return {r: sum(v) / len(v) for r, v in out.items()}
+
+
+class CpuMeter:
+    """Cores used between the first and the last snapshot: the whole machine, and the swarm's processes
+    by role (node processes themselves: training, links, health; their children: DHT and p2pd; the
+    store, bootstrap and coordinator with their children; this monitor).
+
+    The prediction assumes the CPU left to the node processes stays as the calibration found it; other
+    work starting or stopping on the machine during the run shows here as `cpu_other_cores`.
+    """
+
+    def __init__(self, roots: dict[str, int]) -> None:
+        self.roots = roots
+        """Child name -> pid; names starting with "node" are node processes."""
+        self.first: tuple[float, float, dict[int, tuple[str, float]]] | None = None
+        self.last: tuple[float, float, dict[int, tuple[str, float]]] | None = None
+
+    def _snapshot(self) -> tuple[float, float, dict[int, tuple[str, float]]]:
+        """(time, machine busy CPU s, pid -> (role, CPU s))."""
+        import psutil
+
+        t = psutil.cpu_times()
+        machine = t.user + t.nice + t.system + getattr(t, "irq", 0.0) + getattr(t, "softirq", 0.0)
+        procs: list[tuple[str, psutil.Process]] = [("monitor", psutil.Process())]
+        for name, pid in self.roots.items():
+            try:
+                root = psutil.Process(pid)
+                kids = root.children(recursive=True)
+            except psutil.Error:
+                continue
+            node = name.startswith("node")
+            procs.append(("node" if node else "daemon", root))
+            procs += [("node_children" if node else "daemon", k) for k in kids]
+        cpu = {}
+        for role, pr in procs:
+            try:
+                c = pr.cpu_times()  # the monitor's waited-for children (calibration probes) are not counted
+            except psutil.Error:
+                continue
+            cpu[pr.pid] = (role, c.user + c.system)
+        return time.monotonic(), machine, cpu
+
+    def sample(self) -> None:
+        snap = self._snapshot()
+        if self.first is None:
+            self.first = snap
+        self.last = snap
+
+    def report(self) -> dict:
+        if self.first is None or self.last is None or self.last[0] - self.first[0] < 1.0:
+            return {}
+        dt = self.last[0] - self.first[0]
+        roles = dict.fromkeys(("node", "node_children", "daemon", "monitor"), 0.0)
+        for pid, (role, sec) in self.last[2].items():
+            roles[role] += (sec - self.first[2].get(pid, (role, 0.0))[1]) / dt
+        machine = (self.last[1] - self.first[1]) / dt
+        swarm = sum(roles.values())
+        out = {
+            "cpu_busy_cores": round(machine, 2),
+            "cpu_swarm_cores": round(swarm, 2),
+            "cpu_other_cores": round(max(0.0, machine - swarm), 2),
+        }
+        out.update({f"cpu_{role}_cores": round(v, 3) for role, v in roles.items()})
+        return out
+
+
+def calibrate_and_predict(run_toml: Path, store_url: str) -> tuple[dict, str] | None:
+    """The planner's calibration on this machine and its prediction for the run (None if it failed)."""
+    from dataclasses import asdict
+
+    from coordinator.calibrate import CalibrationError, calibrate, describe, local_swarm_model
+    from protocol.runspec import load_run_spec
+
+    try:
+        spec = load_run_spec(run_toml)
+        cal = calibrate(spec, store_endpoint=store_url, usd_per_node_hour=NODE_PRICE_PER_HOUR)
+    except (ValueError, OSError, CalibrationError) as e:
+        print(f"crucible-swarm: calibration failed, no prediction: {e}", file=sys.stderr, flush=True)
+        return None
+    model = local_swarm_model(spec, cal)
+    p = model.prediction
+    pred = {
+        "tokens_per_s": round(p.tokens_per_s, 1),
+        "effective_mfu": round(p.effective_mfu, 4),
+        "tax": round(p.tax, 4),
+        "usd_per_hour": round(p.usd_per_hour, 4),
+        "usd_per_mtok": round(p.usd_per_mtok, 4),
+        "flops_per_token": p.flops_per_token,
+        "peak_tflops": p.peak_tflops,
+        "ceiling": round(model.ceiling, 4),
+        "phi": round(model.phi, 4),
+        "busy_processes": round(model.busy, 3),
+        "other_threads": round(model.other_threads, 3),
+        "step_s": [round(t, 4) for t in p.step_s],
+        "breakdown": {k: round(v, 4) for k, v in asdict(p.breakdown).items()},
+        "calibration": asdict(cal),
+    }
+    return pred, describe(cal, model)
+
+
+def throughput_report(clock: StepClock, run_toml: Path, prediction: dict | None, usd_per_hour: float) -> dict:
+    """Measured steady-state tokens/s next to the prediction, and the measured MFU, tax and $/Mtok."""
+    spec = tomllib.loads(run_toml.read_text())
+    train, sync = spec.get("train", {}), spec.get("sync", {})
+    total, H = int(train.get("total_steps", 300)), int(sync.get("H", 30))
+    tokens_per_step = int(train.get("batch_size", 8)) * int(spec.get("model", {}).get("seq_len", 256))
+    steady = clock.steady_steps_per_s(H, total)
+    overall = clock.overall_steps_per_s(total)
+    measured = sum(steady.values()) * tokens_per_step if steady else None
+    out: dict = {
+        "measured_tokens_per_s": round(measured, 1) if measured else None,
+        "measured_tokens_per_s_with_rounds": round(sum(overall.values()) * tokens_per_step, 1)
+        if overall
+        else None,
+        "measured_replicas": len(steady),
+        "predicted_tokens_per_s": prediction["tokens_per_s"] if prediction else None,
+        "prediction_error": None,
+        "prediction": prediction,
+    }
+    if prediction and measured:
+        out["prediction_error"] = round(prediction["tokens_per_s"] / measured - 1, 4)
+        mfu = measured * prediction["flops_per_token"] / (prediction["peak_tflops"] * 1e12)
+        out["measured_effective_mfu"] = round(mfu, 4)
+        out["measured_tax"] = round(1 - mfu / prediction["ceiling"], 4)
+        out["measured_usd_per_mtok"] = round(usd_per_hour / (measured * 3600) * 1e6, 4)
+    return out
 
 
 def _raise_interrupt(*_: object) -> None:
@@ -207,15 +444,20 @@ def main(argv: list[str] | None = None) -> int:
         out.mkdir(parents=True, exist_ok=True)
         run_toml = out / "run.toml"
         run_toml.write_text(
-            DEFAULT_RUN.format(
-                run_id=run_id,
-                replicas=replicas,
-                stages=stages,
-                steps=args.steps,
-                H=args.H,
-                sync=args.sync,
-                data=args.data,
-                eval_every=1,
+            set_pipeline(
+                DEFAULT_RUN.format(
+                    run_id=run_id,
+                    replicas=replicas,
+                    stages=stages,
+                    steps=args.steps,
+                    H=args.H,
+                    sync=args.sync,
+                    data=args.data,
+                    eval_every=1,
+                ),
+                link_k=args.link_k,
+                bandwidth_mbps=args.bandwidth_mbps,
+                delay_ms=args.delay_ms,
             )
         )
     n = replicas * stages
@@ -230,16 +472,29 @@ def main(argv: list[str] | None = None) -> int:
             f"  store      {swarm.store_url}\n  bootstrap  {swarm.bootstrap}\n  operator   {swarm.operator.peer_id}",
             flush=True,
         )
+        prediction = None
+        if not args.no_calibrate:
+            print("  calibrating the planner on this machine ...", flush=True)
+            got = calibrate_and_predict(run_toml, swarm.store_url)
+            if got:
+                prediction, text = got
+                print(text, flush=True)
+        predicted = prediction["tokens_per_s"] if prediction else None
         swarm.launch(run_toml)
         t_launch = time.monotonic()
         last_print = 0.0
+        clock = StepClock()
+        cpu = CpuMeter({c.name: c.proc.pid for c in swarm.children})
         while time.monotonic() - t0 < args.timeout_s:
             sts = swarm.statuses()
             now = time.monotonic()
-            if now - last_print >= 10:
-                print(progress_line(sts, now - t0), flush=True)
-                last_print = now
+            clock.observe(sts, now, run_id)
             ms = [s["metrics"] for s in sts if s]
+            if clock.first_seen and not all(m["state"] == "done" for m in ms):
+                cpu.sample()  # from the first trained step to the last poll before every node is done
+            if now - last_print >= 10:
+                print(progress_line(sts, now - t0, predicted), flush=True)
+                last_print = now
             if len(ms) == n and all(m["run_id"] == run_id and m["state"] in ("done", "failed") for m in ms):
                 break
             dead = [c.name for c in swarm.nodes if not c.alive]
@@ -250,6 +505,9 @@ def main(argv: list[str] | None = None) -> int:
             raise ProcessFailed(f"run did not finish within {args.timeout_s:.0f} s")
         ms = [s["metrics"] for s in swarm.statuses() if s]
         report = build_report(run_id, ms, time.monotonic() - t_launch, swarm.store_url)
+        report.update(throughput_report(clock, run_toml, prediction, n * NODE_PRICE_PER_HOUR))
+        report.update(cpu.report())
+        (out / "steps.json").write_text(json.dumps(clock.as_dict(t_launch)))
         (out / "report.json").write_text(json.dumps(report, indent=2))
         print_report(report, out)
         ok = report["all_done"]
@@ -309,6 +567,26 @@ def print_report(r: dict, out: Path) -> None:
         f"bytes: pipeline {_fmt_bytes(r['bytes_pipeline'])}, store up {_fmt_bytes(r['bytes_store_up'])}, "
         f"down {_fmt_bytes(r['bytes_store_down'])}; waits: pipeline {r['pipe_wait_s']} s, sync {r['sync_wait_s']} s"
     )
+    if r.get("measured_tokens_per_s"):
+        pred, err = r.get("predicted_tokens_per_s"), r.get("prediction_error")
+        vs = f", predicted {pred:,.0f} ({100 * err:+.1f}%)" if pred and err is not None else ""
+        print(
+            f"steady-state throughput: measured {r['measured_tokens_per_s']:,.0f} tokens/s{vs}; "
+            f"{r['measured_tokens_per_s_with_rounds']:,.0f} tokens/s with syncs and evaluations"
+        )
+    if r.get("measured_effective_mfu") is not None:
+        p = r["prediction"]
+        print(
+            f"  MFU {100 * r['measured_effective_mfu']:.1f}% (predicted {100 * p['effective_mfu']:.1f}%), "
+            f"tax {100 * r['measured_tax']:.1f}% (predicted {100 * p['tax']:.1f}%), "
+            f"${r['measured_usd_per_mtok']:.3f}/Mtok (predicted ${p['usd_per_mtok']:.3f})"
+        )
+    if r.get("cpu_busy_cores") is not None:
+        print(
+            f"  CPU while training: {r['cpu_busy_cores']:.2f} cores busy, {r['cpu_swarm_cores']:.2f} by the swarm "
+            f"({r['cpu_node_cores']:.2f} in the node processes, {r['cpu_node_children_cores']:.2f} in their DHT "
+            f"daemons), {r['cpu_other_cores']:.2f} by other work"
+        )
     print(f"report: {out}/report.json   logs: {out}/*.log")
 
 

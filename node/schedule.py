@@ -1,8 +1,18 @@
 """One training step of a pipeline stage: 1F1B over M microbatches, with sends/receives on threaded links.
 
-Stage s of S runs `warmup = min(S - s - 1, M)` forwards, then alternates one forward and one backward,
-then drains the remaining backwards (PipeDream-Flush / Megatron 1F1B, arXiv 2104.04473): at most
-`warmup + 1` microbatches' activations are alive, and sends overlap compute on the link threads.
+Stage s of S runs `warmup = min(S - s - 1 + extra_in_flight, M)` forwards (0 on the last stage), then
+alternates one forward and one backward, then drains the remaining backwards (PipeDream-Flush / Megatron
+1F1B, arXiv 2104.04473): at most `warmup + 1` microbatches' activations are alive, and sends overlap
+compute on the link threads.
+
+Why `extra_in_flight`: with plain 1F1B (extra 0) stage s sends F(i) and next needs B(i) after only one
+backward and one forward of its own (~ one microbatch of compute, c), while B(i) needs a round trip:
+2 (tx + delay) on the wire plus the downstream compute. Every microbatch then stalls ~2 (tx + delay) on a
+WAN link. With e extra forwards in flight the slack grows by ~e c, so e >= 2 (tx + delay) / c hides the
+link in steady state (scripts/bench_pipeline.py); the price is e more microbatches of activations alive.
+Order and results are unchanged: every stage still runs forwards and backwards in microbatch order, and
+gradients are summed over the same microbatches. Deadlock-free because a stage never waits for B(j)
+before it has sent F(j + warmup), and its downstream neighbour needs only F(j + warmup - 1) for B(j).
 Every microbatch crosses a boundary in one message each way, carrying the (possibly subspace-compressed)
 tensor and, forward, the token ids, so the last stage has its targets and T[x] can be rebuilt.
 """
@@ -64,8 +74,14 @@ class PipelineStage:
         codec_in: BoundaryCodec | None,
         codec_out: BoundaryCodec | None,
         recv_timeout_s: float,
+        extra_in_flight: int = 0,
     ) -> None:
+        """extra_in_flight: forwards a non-last stage runs ahead beyond plain 1F1B's S - s - 1, to hide
+        link round trips (module docstring); 0 = plain 1F1B."""
+        if extra_in_flight < 0:
+            raise ValueError(f"extra_in_flight={extra_in_flight} must be >= 0 (0 = plain 1F1B)")
         self.module, self.stage, self.n_stages = module, stage, n_stages
+        self.extra_in_flight = extra_in_flight
         self.prev, self.next = prev, next
         self.codec_in, self.codec_out = codec_in, codec_out
         self.recv_timeout_s = recv_timeout_s
@@ -105,7 +121,7 @@ class PipelineStage:
         stats = StepStats()
         start = time.perf_counter()
         mbs = list(tokens.chunk(M)) if tokens is not None else [None] * M
-        warmup = min(self.n_stages - self.stage - 1, M)
+        warmup = 0 if self.last else min(self.n_stages - self.stage - 1 + self.extra_in_flight, M)
         pending: list[_InFlight] = []
         losses: list[float] = []
         for i in range(M):

@@ -63,6 +63,7 @@ class Link:
         self.bytes_recv = 0
         self._outbox: queue.Queue[object] = queue.Queue(maxsize=queue_depth)
         self._inbox: queue.Queue[tuple[float, bytes] | BaseException] = queue.Queue()
+        self._head: tuple[float, bytes] | BaseException | None = None  # taken from the inbox, not yet due
         self._error: BaseException | None = None
         self._closed = threading.Event()
         self._sender = threading.Thread(target=self._send_loop, name=f"send-{name}", daemon=True)
@@ -82,12 +83,16 @@ class Link:
             raise LinkError(f"link to {self.name}: send queue stayed full for {timeout_s} s") from e
 
     def recv(self, timeout_s: float | None = None) -> bytes:
-        """Next frame from the neighbour; raises LinkError on close or timeout."""
+        """Next frame from the neighbour; raises LinkError on close, timeout or a malformed/oversized frame
+        from the peer (its __cause__ is then the FrameError, and the link is dropped)."""
         deadline = None if timeout_s is None else time.monotonic() + timeout_s
-        try:
-            item = self._inbox.get(timeout=timeout_s)
-        except queue.Empty as e:
-            raise LinkError(f"link to {self.name}: nothing received for {timeout_s} s") from e
+        item = self._head
+        self._head = None
+        if item is None:
+            try:
+                item = self._inbox.get(timeout=timeout_s)
+            except queue.Empty as e:
+                raise LinkError(f"link to {self.name}: nothing received for {timeout_s} s") from e
         if isinstance(item, BaseException):
             self._inbox.put(item)  # keep the error visible to later calls
             raise LinkError(f"link to {self.name} broke: {item}") from item
@@ -95,6 +100,8 @@ class Link:
         wait = ready_at - time.monotonic()
         if wait > 0:
             if deadline is not None and ready_at > deadline:
+                self._head = item  # still in flight (shaper delay): deliver it on the next call
+                time.sleep(max(0.0, deadline - time.monotonic()))
                 raise LinkError(f"link to {self.name}: nothing received for {timeout_s} s")
             time.sleep(wait)
         return payload
@@ -156,6 +163,12 @@ class Link:
             except (OSError, FrameError, ConnectionClosed) as e:
                 if not self._closed.is_set():
                     self._error = e
+                    if isinstance(e, FrameError):
+                        # The byte stream is out of step (bad length prefix or truncated frame): drop the
+                        # connection, so the peer's link breaks too instead of waiting on a dead stream.
+                        log.warning("link to %s: malformed frame, closing: %s", self.name, e)
+                        with contextlib.suppress(OSError):
+                            self.sock.shutdown(socket.SHUT_RDWR)
                 self._inbox.put(e if not self._closed.is_set() else ConnectionClosed("link closed"))
                 return
             self.bytes_recv += len(payload) + 4

@@ -239,6 +239,7 @@ class StageWorker:
             codec_in=codec_in,
             codec_out=codec_out,
             recv_timeout_s=spec.pipeline.recv_timeout_s,
+            extra_in_flight=spec.pipeline.extra_in_flight,
         )
         tokens_per_step = spec.train.batch_size * spec.model.seq_len
         result = "done"

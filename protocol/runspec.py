@@ -163,6 +163,9 @@ class PipelineSpec:
     """In-process link shaper: one-way delay in milliseconds."""
     recv_timeout_s: float = 120.0
     """A stage gives up on a silent neighbour after this long."""
+    extra_in_flight: int = 2
+    """Microbatches a non-last stage runs ahead beyond 1F1B's S-s-1, so link round trips hide behind
+    compute (costs that many more microbatches of activations; 0 = plain 1F1B)."""
 
 
 @dataclass(kw_only=True, frozen=True)
@@ -196,6 +199,8 @@ class RunSpec:
                 f"pipeline.link_k has {len(self.pipeline.link_k)} values; a {self.stages}-stage pipeline "
                 f"has {self.stages - 1} links"
             )
+        if self.pipeline.extra_in_flight < 0:
+            raise ValueError(f"pipeline.extra_in_flight must be >= 0, got {self.pipeline.extra_in_flight}")
         for k in self.pipeline.link_k:
             if not 0 < k <= self.model.d_model:
                 raise ValueError(f"pipeline.link_k value {k} must be in 1..d_model={self.model.d_model}")

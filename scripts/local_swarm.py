@@ -90,7 +90,8 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     link.add_argument(
         "--link-k",
         type=_int_list,
-        help="subspace width of each of the S-1 links, comma-separated; d_model = dense (example: --link-k 32)",
+        help="subspace width of each of the S-1 links, comma-separated; 256 (= d_model) is dense "
+        "(default: 32 on every link, k/d = 1/8; example: --link-k 256 for dense)",
     )
     ap.add_argument(
         "--no-calibrate",
@@ -455,7 +456,8 @@ def main(argv: list[str] | None = None) -> int:
                     data=args.data,
                     eval_every=1,
                 ),
-                link_k=args.link_k,
+                # subspace-compressed links by default: k = d/8 on every boundary (DESIGN section 4)
+                link_k=args.link_k if args.link_k is not None else [256 // 8] * (stages - 1),
                 bandwidth_mbps=args.bandwidth_mbps,
                 delay_ms=args.delay_ms,
             )

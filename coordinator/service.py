@@ -211,10 +211,13 @@ class Coordinator:
         spec, pl = run.record.spec, run.placement
         assert pl is not None
         now, dnow = time.monotonic(), dht_time()
-        done, gone, failed = 0, set(), set()
+        done, gone, failed, stale = 0, set(), set(), set()
         for peer in pl.slots.values():
             a = adverts.get(peer)
-            if a is None or dnow - a.timestamp > self.churn_grace_s:  # adverts refresh every few seconds
+            if a is not None and dnow - a.timestamp > self.churn_grace_s:
+                stale.add(peer)  # maybe dead: wait until it is gone before rebuilding around it
+            # adverts refresh every 5 s; a DHT read may return a copy a few refreshes old, hence 2x grace
+            if a is None or dnow - a.timestamp > 2 * self.churn_grace_s:
                 gone.add(peer)
                 continue
             if a.run_id == spec.run_id and a.epoch == run.epoch and a.state == "done":
@@ -223,7 +226,10 @@ class Coordinator:
                 # wait out the grace period: the failure may be a neighbour that is about to count as gone
                 if now - run.missing_since.setdefault(peer, now) > self.churn_grace_s:
                     failed.add(peer)
-        broken = {r for (r, s), p in pl.slots.items() if p in gone | failed}
+        stale_replicas = {r for (r, s), p in pl.slots.items() if p in stale}
+        broken = {
+            r for (r, s), p in pl.slots.items() if p in gone or (p in failed and r not in stale_replicas)
+        }
         if broken and not self._rebuild(run, adverts, gone, broken):
             for peer in gone | failed:
                 if run.missing_since.get(peer) != -1.0:

@@ -11,6 +11,7 @@ import logging
 import socket
 import threading
 import time
+from collections.abc import Callable
 
 from protocol.envelope import Signed, open_envelope
 from protocol.framing import recv_frame
@@ -66,7 +67,13 @@ class Acceptor:
             self._cond.notify_all()
 
     def take(
-        self, run_id: str, peer_id: str, replica: int, stage: int, timeout_s: float
+        self,
+        run_id: str,
+        peer_id: str,
+        replica: int,
+        stage: int,
+        timeout_s: float,
+        cancelled: Callable[[], bool] = lambda: False,
     ) -> tuple[Hello, socket.socket]:
         """Wait for the connection from `peer_id` serving (run_id, replica, stage); raise TimeoutError."""
         deadline = time.monotonic() + timeout_s
@@ -82,7 +89,7 @@ class Acceptor:
                     elif (h.run_id, h.peer_id, h.replica, h.stage) == (run_id, peer_id, replica, stage):
                         self._held.remove(item)
                         return h, conn
-                if now >= deadline or self._stop.is_set():
+                if now >= deadline or self._stop.is_set() or cancelled():
                     raise TimeoutError(
                         f"upstream neighbour {peer_id} (replica {replica}, stage {stage}) did not connect "
                         f"within {timeout_s:.0f} s"

@@ -15,6 +15,7 @@ import queue
 import socket
 import threading
 import time
+from collections.abc import Callable
 from dataclasses import dataclass
 
 from protocol.framing import DEFAULT_MAX_FRAME_BYTES, ConnectionClosed, FrameError, recv_frame, send_frame
@@ -76,11 +77,18 @@ class Link:
         """Queue a frame; blocks while the queue is full (backpressure)."""
         if len(payload) > self.max_frame_bytes:
             raise FrameError(f"frame of {len(payload)} bytes exceeds the {self.max_frame_bytes}-byte limit")
-        self._raise_if_broken()
-        try:
-            self._outbox.put(payload, timeout=timeout_s)
-        except queue.Full as e:
-            raise LinkError(f"link to {self.name}: send queue stayed full for {timeout_s} s") from e
+        deadline = None if timeout_s is None else time.monotonic() + timeout_s
+        while True:
+            # a dead sender thread never drains the queue: re-check the link while waiting for room
+            self._raise_if_broken()
+            try:
+                self._outbox.put(payload, timeout=0.25)
+                return
+            except queue.Full:
+                if deadline is not None and time.monotonic() > deadline:
+                    raise LinkError(
+                        f"link to {self.name}: send queue stayed full for {timeout_s} s"
+                    ) from None
 
     def recv(self, timeout_s: float | None = None) -> bytes:
         """Next frame from the neighbour; raises LinkError on close, timeout or a malformed/oversized frame
@@ -175,11 +183,20 @@ class Link:
             self._inbox.put((time.monotonic() + delay, payload))
 
 
-def connect(host: str, port: int, *, timeout_s: float, retry_s: float = 0.25) -> socket.socket:
-    """Connect with retries until timeout_s (the neighbour may still be starting)."""
+def connect(
+    host: str,
+    port: int,
+    *,
+    timeout_s: float,
+    retry_s: float = 0.25,
+    cancelled: Callable[[], bool] = lambda: False,
+) -> socket.socket:
+    """Connect with retries until timeout_s (the neighbour may still be starting) or until cancelled()."""
     deadline = time.monotonic() + timeout_s
     last: Exception | None = None
     while time.monotonic() < deadline:
+        if cancelled():
+            raise LinkError(f"connecting to {host}:{port} was cancelled")
         try:
             return socket.create_connection((host, port), timeout=min(5.0, timeout_s))
         except OSError as e:

@@ -10,6 +10,7 @@ import hashlib
 import io
 import logging
 import math
+import threading
 import time
 from collections.abc import Callable
 from dataclasses import asdict, dataclass, field
@@ -108,6 +109,7 @@ class StageWorker:
         self.connect_timeout_s = connect_timeout_s
         self.prev: Link | None = None
         self.sync: OuterSync | None = None
+        self._aborted = threading.Event()
         self.next: Link | None = None
 
     # --- set-up -----------------------------------------------------------------------------------
@@ -124,7 +126,7 @@ class StageWorker:
         start = a.start_step
         if a.prev is not None:
             hello, sock = self.acceptor.take(
-                a.run_id, a.prev.peer_id, a.replica, a.stage - 1, self.connect_timeout_s
+                a.run_id, a.prev.peer_id, a.replica, a.stage - 1, self.connect_timeout_s, self._cancelled
             )
             self.prev = Link(sock, f"{a.prev.peer_id[-8:]} (stage {a.stage - 1})", shaper=self._shaper())
             start = hello.start_step
@@ -132,7 +134,9 @@ class StageWorker:
             latest = self.store.get(keys.ckpt_latest_key(a.run_id, a.stage))
             start = int(latest.decode()) if latest else 0
         if a.next is not None:
-            sock = connect(a.next.host, a.next.port, timeout_s=self.connect_timeout_s)
+            sock = connect(
+                a.next.host, a.next.port, timeout_s=self.connect_timeout_s, cancelled=self._cancelled
+            )
             hello_out = Hello(
                 run_id=a.run_id,
                 term=a.term,
@@ -170,8 +174,12 @@ class StageWorker:
         self.store.put(keys.ckpt_key(self.a.run_id, step, self.a.stage), buf.getvalue())
         self.store.put(keys.ckpt_latest_key(self.a.run_id, self.a.stage), str(step).encode())
 
+    def _cancelled(self) -> bool:
+        return self._aborted.is_set() or self.should_stop() is not None
+
     def abort(self) -> None:
         """Unblock a worker waiting on its links (the node is reassigned or shutting down)."""
+        self._aborted.set()
         for link in (self.prev, self.next):
             if link is not None:
                 link.close()

@@ -97,7 +97,7 @@ class TrainSpec:
 class SyncSpec:
     """Cross-replica synchronisation through the object store (DESIGN section 3)."""
 
-    method: Literal["diloco", "sparseloco"] = "diloco"
+    method: Literal["diloco", "sparseloco"] = "sparseloco"
     """Outer method: dense DiLoCo or SparseLoCo (compressed, error feedback)."""
     H: int = 30
     """Inner steps per outer round."""

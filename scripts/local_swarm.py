@@ -68,7 +68,12 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     ap.add_argument("--stages", type=int, default=2, help="S: stages per replica (default 2)")
     ap.add_argument("--steps", type=int, default=240, help="inner steps per replica (default 240)")
     ap.add_argument("--H", type=int, default=30, help="inner steps per outer round (default 30)")
-    ap.add_argument("--sync", default="diloco", choices=["diloco", "sparseloco"], help="cross-replica method")
+    ap.add_argument(
+        "--sync",
+        default="sparseloco",
+        choices=["diloco", "sparseloco"],
+        help="cross-replica method: sparseloco (default) or the dense diloco baseline",
+    )
     ap.add_argument(
         "--data", default="stdlib", help="corpus: 'stdlib' (default), a text file, a directory or a glob"
     )

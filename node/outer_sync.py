@@ -25,6 +25,7 @@ from typing import Protocol
 
 import torch
 
+from node.aggregation import mean_over_arrivals
 from protocol import keys
 from protocol.schema import ProtocolError
 from protocol.store import ObjectStore, StoreError
@@ -56,18 +57,6 @@ class FragmentCodec(Protocol):
 
 
 Aggregator = Callable[[dict[int, list[torch.Tensor]]], list[torch.Tensor]]
-
-
-def mean_aggregate(contribs: dict[int, list[torch.Tensor]]) -> list[torch.Tensor]:
-    """Mean over arrived replicas, summed in replica order so every replica gets bit-identical results."""
-    order = sorted(contribs)
-    out = [t.clone() for t in contribs[order[0]]]
-    for r in order[1:]:
-        for o, t in zip(out, contribs[r], strict=True):
-            o.add_(t)
-    for o in out:
-        o.div_(len(order))
-    return out
 
 
 @dataclass
@@ -111,7 +100,7 @@ class OuterSync:
         alpha: float,
         momentum: float = 0.0,
         timeout_s: float = 60.0,
-        aggregate: Aggregator = mean_aggregate,
+        aggregate: Aggregator = mean_over_arrivals,
         poll_s: float = 0.1,
     ) -> None:
         if not 0 <= tau < H or not 0 < P <= H:

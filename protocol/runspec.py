@@ -9,7 +9,7 @@ from __future__ import annotations
 import math
 import re
 import tomllib
-from dataclasses import dataclass, field, fields, replace
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Literal
 
@@ -234,8 +234,4 @@ def load_run_spec(path: str | Path, **overrides: Any) -> RunSpec:
         raise ValueError(f"{path}: {e}") from e
 
 
-def with_changes(spec: RunSpec, **changes: Any) -> RunSpec:
-    return replace(spec, **changes)
-
-
-__all__ = ["ModelSpec", "PipelineSpec", "RunSpec", "SyncSpec", "TrainSpec", "fields", "load_run_spec"]
+__all__ = ["ModelSpec", "PipelineSpec", "RunSpec", "SyncSpec", "TrainSpec", "load_run_spec"]

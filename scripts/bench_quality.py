@@ -1,0 +1,389 @@
+"""Quality of the cross-replica sync methods on the same tokens: AdamW data-parallel vs DiLoCo vs SparseLoCo.
+
+  python -m scripts.bench_quality            # the recorded run (about 10 minutes on 2 cores)
+  python -m scripts.bench_quality --quick    # CI-sized (under 2 minutes)
+  python -m scripts.bench_quality --arms adamw,sparseloco --steps 300 --alpha 1.0 --H 15
+
+In one process, R simulated replicas of a small Llama-style model train on the standard-library corpus;
+replica r draws batch (data_seed, r, step) in every arm, so every method sees the same tokens:
+
+- adamw:        data-parallel AdamW, gradients averaged over the R replicas every step (the centralized
+                baseline; one model on the concatenation of the R batches, which is the same gradient).
+- diloco:       H AdamW steps per replica, then dense fp32 pseudo-gradients averaged, Nesterov outer step
+                (arXiv 2311.08105). The paper's alpha 0.7 / momentum 0.9 is tuned for H ~ 500; at H = 15
+                plain averaging (alpha 1, momentum 0) was the best of those tried (docs/benchmarks.md).
+- sparseloco:   error feedback + top-k per 4096-chunk + 2-bit values (arXiv 2508.15706); k = 64,
+                per-coordinate mean, alpha 1, beta 0.9 (0.9 beat the paper's 0.95 here).
+- stream_tau1/2: SparseLoCo with P strided fragments captured at c_f = (f+1) floor(H/P) and applied
+                tau = 1 or 2 inner steps later, keeping the local drift (arXiv 2501.18512).
+
+The outer loops are the real `node.outer_sync.OuterSync` with the codecs and aggregation that
+`node.sparseloco_sync.make_sync_parts` builds for the swarm, talking to an in-process S3 server (moto) on
+loopback; replicas are stepped in lockstep (capture phase for all, then apply phase for all). The
+figure is validation bits-per-byte (mean cross-entropy / ln 2; byte vocabulary) of the consensus
+weights on the held-out tail of the corpus, as a table on stderr and one JSON line last on stdout.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import logging
+import math
+import sys
+import time
+from dataclasses import dataclass, replace
+
+import torch
+
+from node.data import Corpus
+from node.model import Stage, build_full_model, lm_loss
+from node.outer_sync import OuterSync
+from node.sparseloco_sync import make_sync_parts
+from protocol.identity import Identity
+from protocol.runspec import ModelSpec, RunSpec, SyncSpec
+from protocol.store import ObjectStore, StoreConfig
+
+ARMS = ("adamw", "diloco", "sparseloco", "stream_tau1", "stream_tau2")
+
+
+@dataclass(kw_only=True, frozen=True)
+class Setup:
+    """Everything an arm needs besides its sync settings."""
+
+    model: ModelSpec
+    replicas: int
+    steps: int
+    batch: int
+    lr: float
+    warmup: int
+    grad_clip: float
+    data_seed: int
+
+
+@dataclass
+class Result:
+    name: str
+    val_bpb: float
+    train_s: float
+    sync: SyncSpec | None = None
+    bytes_up_per_round: float = 0.0
+    """Bytes one replica uploads per outer round (all fragments), headers and signatures included."""
+    wait_s: float = 0.0
+    """Training time blocked on transfers still in flight, summed over replicas."""
+    rounds: int = 0
+    rejected: int = 0
+    missing: int = 0
+
+
+def lr_at(step: int, s: Setup) -> float:
+    """Linear warm-up, then cosine decay to 10% of the peak (node.worker's schedule)."""
+    if step < s.warmup:
+        return s.lr * (step + 1) / s.warmup
+    progress = (step - s.warmup) / max(1, s.steps - s.warmup)
+    return s.lr * (0.1 + 0.45 * (1 + math.cos(math.pi * min(1.0, progress))))
+
+
+def new_model(s: Setup) -> tuple[Stage, torch.optim.Optimizer]:
+    model = build_full_model(s.model)  # deterministic init from model.init_seed: every replica the same
+    opt = torch.optim.AdamW(model.parameters(), lr=s.lr, betas=(0.9, 0.95), weight_decay=0.0)
+    return model, opt
+
+
+def inner_step(
+    model: Stage, opt: torch.optim.Optimizer, tokens: torch.Tensor, lr: float, clip: float
+) -> float:
+    for g in opt.param_groups:
+        g["lr"] = lr
+    opt.zero_grad(set_to_none=True)
+    loss = lm_loss(model(tokens[:, :-1]), tokens)  # tokens (b, L+1)
+    loss.backward()
+    if clip > 0:
+        torch.nn.utils.clip_grad_norm_(model.parameters(), clip)
+    opt.step()
+    return float(loss.detach())
+
+
+@torch.no_grad()
+def evaluate(model: Stage, val: list[torch.Tensor]) -> float:
+    """Validation bits per byte: mean cross-entropy over the fixed held-out batches / ln 2."""
+    model.eval()
+    nats = sum(float(lm_loss(model(b[:, :-1]), b)) for b in val) / len(val)
+    model.train()
+    return nats / math.log(2)
+
+
+def run_adamw(s: Setup, corpus: Corpus, val: list[torch.Tensor], log: logging.Logger) -> Result:
+    model, opt = new_model(s)
+    t0 = time.perf_counter()
+    for step in range(s.steps):
+        tokens = torch.cat(  # (R b, L+1): the R replicas' batches; mean loss = gradient averaged over R
+            [corpus.train_batch(s.data_seed, r, step, s.batch, s.model.seq_len) for r in range(s.replicas)]
+        )
+        loss = inner_step(model, opt, tokens, lr_at(step, s), s.grad_clip)
+        if step % 100 == 0 or step == s.steps - 1:
+            log.info("adamw step %4d train bpb %.4f", step, loss / math.log(2))
+    train_s = time.perf_counter() - t0
+    return Result("adamw", evaluate(model, val), train_s)
+
+
+def run_outer(
+    name: str,
+    sync: SyncSpec,
+    s: Setup,
+    corpus: Corpus,
+    val: list[torch.Tensor],
+    store: ObjectStore,
+    log: logging.Logger,
+) -> Result:
+    spec = RunSpec(run_id=f"bench-{name.replace('_', '-')}-{int(time.time() * 1000) % 10**9}", sync=sync)
+    ids = [Identity.from_seed(bytes([r + 1]) * 32) for r in range(s.replicas)]
+    peers = {r: ids[r].peer_id for r in range(s.replicas)}
+    replicas, syncs = [], []
+    for r in range(s.replicas):
+        model, opt = new_model(s)
+        parts = make_sync_parts(spec, ids[r])  # the swarm's codec, aggregation and outer momentum
+        syncs.append(
+            OuterSync(
+                list(model.parameters()),
+                store=store,
+                codec=parts.codec,
+                aggregate=parts.aggregate,
+                run_id=spec.run_id,
+                stage=0,
+                replica=r,
+                stage_peers=peers,
+                H=sync.H,
+                P=sync.P,
+                tau=sync.tau,
+                alpha=sync.alpha,
+                momentum=parts.momentum,
+                timeout_s=sync.timeout_s,
+                poll_s=0.002,
+            )
+        )
+        replicas.append((model, opt))
+    t0 = time.perf_counter()
+    for step in range(s.steps):
+        lr = lr_at(step, s)
+        losses = [
+            inner_step(
+                m, o, corpus.train_batch(s.data_seed, r, step, s.batch, s.model.seq_len), lr, s.grad_clip
+            )
+            for r, (m, o) in enumerate(replicas)
+        ]
+        for sy in syncs:  # capture phase for every replica, then apply phase: no replica waits on itself
+            sy.capture_due(step + 1)
+        for sy in syncs:
+            sy.apply_due(step + 1)
+        if step % 100 == 0 or step == s.steps - 1:
+            log.info(
+                "%s step %4d train bpb %.4f (mean over replicas)",
+                name,
+                step,
+                sum(losses) / len(losses) / math.log(2),
+            )
+    for sy in syncs:
+        sy.finish()  # streaming: apply the fragments captured in the last tau steps
+    train_s = time.perf_counter() - t0
+    anchors = [sy.anchor for sy in syncs]
+    for a in anchors[1:]:
+        if not all(torch.equal(x, y) for x, y in zip(anchors[0], a, strict=True)):
+            raise AssertionError(f"{name}: replicas ended with different consensus weights")
+    consensus, _ = new_model(s)
+    with torch.no_grad():
+        for p, a in zip(consensus.parameters(), anchors[0], strict=True):
+            p.copy_(a)
+    st = [sy.stats for sy in syncs]
+    rounds = st[0].rounds_applied / sync.P
+    return Result(
+        name,
+        evaluate(consensus, val),
+        train_s,
+        sync=sync,
+        bytes_up_per_round=sum(x.bytes_up for x in st) / len(st) / max(rounds, 1),
+        wait_s=sum(x.wait_s for x in st),
+        rounds=int(rounds),
+        rejected=sum(x.rejected for x in st),
+        missing=sum(x.missing for x in st),
+    )
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--quick", action="store_true", help="CI-sized: 2 replicas, 120 steps, H=10")
+    ap.add_argument("--arms", default=",".join(ARMS), help=f"comma-separated subset of {','.join(ARMS)}")
+    ap.add_argument("--replicas", type=int, default=4, help="R simulated replicas (default 4)")
+    ap.add_argument("--steps", type=int, default=1000, help="inner steps per replica (default 1000)")
+    ap.add_argument("--H", type=int, default=15, help="inner steps per outer round (default 15)")
+    ap.add_argument("--P", type=int, default=3, help="fragments of the streaming arms (default 3)")
+    ap.add_argument("--alpha", type=float, default=1.0, help="SparseLoCo outer lr (default 1.0)")
+    ap.add_argument("--k", type=int, default=64, help="SparseLoCo top-k per 4096-chunk (default 64)")
+    ap.add_argument(
+        "--beta", type=float, default=0.9, help="SparseLoCo error-feedback decay (default 0.9, tuned here)"
+    )
+    ap.add_argument("--aggregation", choices=["mean", "per_coordinate"], default="per_coordinate")
+    ap.add_argument("--clip-median-norm", action="store_true", help="SparseLoCo: clip to the median norm")
+    ap.add_argument("--diloco-alpha", type=float, default=1.0, help="DiLoCo outer lr (default 1.0, tuned)")
+    ap.add_argument(
+        "--diloco-momentum", type=float, default=0.0, help="DiLoCo Nesterov momentum (default 0, tuned)"
+    )
+    ap.add_argument("--d-model", type=int, default=128)
+    ap.add_argument("--n-layers", type=int, default=2)
+    ap.add_argument("--seq-len", type=int, default=64)
+    ap.add_argument("--batch", type=int, default=8, help="sequences per replica per step (default 8)")
+    ap.add_argument("--lr", type=float, default=3e-3, help="inner AdamW peak lr (default 3e-3)")
+    ap.add_argument("--warmup", type=int, default=30)
+    ap.add_argument("--grad-clip", type=float, default=1.0)
+    ap.add_argument("--eval-batches", type=int, default=64, help="validation batches of --batch sequences")
+    ap.add_argument("--data-seed", type=int, default=1234)
+    ap.add_argument("--threads", type=int, default=2)
+    args = ap.parse_args(argv)
+    if args.quick:
+        args.replicas, args.steps, args.H, args.P, args.eval_batches, args.warmup = 2, 120, 10, 2, 16, 10
+    arms = [a for a in args.arms.split(",") if a]
+    unknown = set(arms) - set(ARMS)
+    if unknown:
+        ap.error(f"--arms: unknown arm(s) {sorted(unknown)}; choose from {','.join(ARMS)}")
+    torch.set_num_threads(args.threads)
+    logging.basicConfig(level=logging.WARNING, stream=sys.stderr, format="%(message)s")
+    log = logging.getLogger("bench_quality")
+    log.setLevel(logging.INFO)
+    logging.getLogger("werkzeug").setLevel(logging.ERROR)
+
+    model = ModelSpec(
+        d_model=args.d_model,
+        n_layers=args.n_layers,
+        n_heads=4,
+        d_ff=round(8 * args.d_model / 3 / 8) * 8,
+        seq_len=args.seq_len,
+    )
+    s = Setup(
+        model=model,
+        replicas=args.replicas,
+        steps=args.steps,
+        batch=args.batch,
+        lr=args.lr,
+        warmup=args.warmup,
+        grad_clip=args.grad_clip,
+        data_seed=args.data_seed,
+    )
+    sparse = SyncSpec(
+        method="sparseloco",
+        H=args.H,
+        alpha=args.alpha,
+        k=args.k,
+        beta=args.beta,
+        aggregation=args.aggregation,
+        clip_median_norm=args.clip_median_norm,
+    )
+    syncs = {
+        "diloco": SyncSpec(
+            method="diloco",
+            H=args.H,
+            alpha=args.diloco_alpha,
+            outer_momentum=args.diloco_momentum,
+            aggregation="mean",
+        ),
+        "sparseloco": sparse,
+        "stream_tau1": replace(sparse, P=args.P, tau=1),
+        "stream_tau2": replace(sparse, P=args.P, tau=2),
+    }
+    corpus = Corpus.load("stdlib", 0.02)
+    val = corpus.val_batches(args.eval_batches, args.batch, model.seq_len)
+    print(
+        f"# R={s.replicas} steps={s.steps} H={args.H} P={args.P} d={model.d_model} layers={model.n_layers} "
+        f"seq={model.seq_len} batch={s.batch}/replica params={model.n_params:,} lr={s.lr} "
+        f"eval tokens={args.eval_batches * s.batch * model.seq_len:,}",
+        file=sys.stderr,
+        flush=True,
+    )
+
+    from moto.server import ThreadedMotoServer
+
+    server = ThreadedMotoServer(ip_address="127.0.0.1", port=0, verbose=False)
+    server.start()
+    t_all = time.perf_counter()
+    try:
+        host, port = server.get_host_and_port()
+        store = ObjectStore(StoreConfig(endpoint_url=f"http://{host}:{port}", bucket="bench-quality"))
+        store.ensure_bucket()
+        results: list[Result] = []
+        for name in arms:
+            r = (
+                run_adamw(s, corpus, val, log)
+                if name == "adamw"
+                else run_outer(name, syncs[name], s, corpus, val, store, log)
+            )
+            log.info("%s: val bpb %.4f (%.0f s)", name, r.val_bpb, r.train_s)
+            results.append(r)
+    finally:
+        server.stop()
+    total_s = time.perf_counter() - t_all
+
+    by = {r.name: r for r in results}
+    base = by.get("adamw")
+    ref = by.get("sparseloco")
+    dense_bytes = 4 * model.n_params
+    print(
+        f"\n{'arm':<13}{'H':>4}{'P':>3}{'tau':>4}{'alpha':>6}{'val bpb':>9}{'vs adamw':>10}{'vs sparse':>10}"
+        f"{'B up/round':>12}{'ratio':>8}{'wait s':>8}{'train s':>9}",
+        file=sys.stderr,
+    )
+    for r in results:
+        sy = r.sync
+        cols = f"{sy.H:>4}{sy.P:>3}{sy.tau:>4}{sy.alpha:>6.2f}" if sy else f"{'-':>4}{'-':>3}{'-':>4}{'-':>6}"
+        vs_a = f"{(r.val_bpb / base.val_bpb - 1) * 100:+.2f}%" if base else "-"
+        vs_s = (
+            f"{(r.val_bpb / ref.val_bpb - 1) * 100:+.2f}%"
+            if ref and sy and sy.method == "sparseloco"
+            else "-"
+        )
+        up = f"{r.bytes_up_per_round:,.0f}" if sy else "-"
+        rat = f"{dense_bytes / r.bytes_up_per_round:.1f}x" if sy and r.bytes_up_per_round else "-"
+        print(
+            f"{r.name:<13}{cols}{r.val_bpb:>9.4f}{vs_a:>10}{vs_s:>10}{up:>12}{rat:>8}{r.wait_s:>8.1f}{r.train_s:>9.1f}",
+            file=sys.stderr,
+        )
+    print(f"total {total_s:.0f} s", file=sys.stderr)
+
+    def gap(a: str, b: str) -> float | None:
+        return round(by[a].val_bpb / by[b].val_bpb - 1, 5) if a in by and b in by else None
+
+    out = {
+        "bench": "sparseloco_quality",
+        "replicas": s.replicas,
+        "steps": s.steps,
+        "H": args.H,
+        "P": args.P,
+        "alpha": args.alpha,
+        "k": args.k,
+        "beta": args.beta,
+        "aggregation": args.aggregation,
+        "diloco_alpha": args.diloco_alpha,
+        "diloco_momentum": args.diloco_momentum,
+        "lr": s.lr,
+        "d_model": model.d_model,
+        "n_layers": model.n_layers,
+        "seq_len": model.seq_len,
+        "batch": s.batch,
+        "params": model.n_params,
+        "val_bpb": {r.name: round(r.val_bpb, 5) for r in results},
+        "gap_sparseloco_vs_adamw": gap("sparseloco", "adamw"),
+        "gap_diloco_vs_adamw": gap("diloco", "adamw"),
+        "gap_tau1_vs_sparseloco": gap("stream_tau1", "sparseloco"),
+        "gap_tau2_vs_sparseloco": gap("stream_tau2", "sparseloco"),
+        "sparseloco_beats_diloco": (by["sparseloco"].val_bpb < by["diloco"].val_bpb)
+        if "sparseloco" in by and "diloco" in by
+        else None,
+        "bytes_up_per_round": {r.name: round(r.bytes_up_per_round) for r in results if r.sync},
+        "rejected": sum(r.rejected for r in results),
+        "missing": sum(r.missing for r in results),
+        "total_s": round(total_s, 1),
+    }
+    print(json.dumps(out))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -37,5 +37,8 @@ class DenseCodec(FragmentCodec):
     ) -> list[torch.Tensor]:
         return decode_dense(data, fragment_header(fid), shapes, signer)
 
+    def restore(self, fid: FragmentId, unsent: list[torch.Tensor]) -> None:
+        """DiLoCo keeps no error feedback: a pseudo-gradient that did not land is dropped."""
+
 
 __all__ = ["DenseCodec", "fragment_header"]

@@ -11,6 +11,12 @@ fragment f is captured at inner step c_f = (f+1) q of each H-step cycle and appl
 
 Upload and fetch run on a background I/O thread while training goes on for tau steps; applying blocks
 only for what is still in flight, and that wait is recorded.
+
+Fragment keys are write-once (conditional PUT, If-None-Match): every reader of a key sees the same bytes,
+so an object cannot be swapped between two replicas' reads. If our key already holds other bytes
+(a faulty or stale writer got there first), every other replica rejects or uses those bytes, not ours;
+we leave our own contribution out of the aggregate too, so the consensus stays identical, and hand it
+back to the codec (SparseLoCo's error feedback sends it in a later round).
 """
 
 from __future__ import annotations
@@ -55,15 +61,27 @@ class FragmentCodec(Protocol):
         """Validate (signature by `signer`, header, shapes, finiteness) and decode; raise ProtocolError."""
         ...
 
+    def restore(self, fid: FragmentId, unsent: list[torch.Tensor]) -> None:
+        """Our upload of `fid` did not land: keep `unsent` (what encode returned) for a later round."""
+        ...
+
 
 Aggregator = Callable[[dict[int, list[torch.Tensor]]], list[torch.Tensor]]
+
+
+@dataclass
+class _Exchanged:
+    contribs: dict[int, list[torch.Tensor]]
+    """Replica -> decoded contribution, ours included only if our upload landed."""
+    unsent: list[torch.Tensor] | None
+    """Our contribution when our upload did not land (handed back to the codec at apply time)."""
 
 
 @dataclass
 class _Pending:
     fid: FragmentId
     theta_at_capture: list[torch.Tensor]
-    future: Future[dict[int, list[torch.Tensor]]]
+    future: Future[_Exchanged]
     apply_step: int
 
 
@@ -78,6 +96,8 @@ class SyncStats:
     """Fragments that failed validation and were dropped."""
     missing: int = 0
     """Expected fragments that had not arrived by the deadline."""
+    not_uploaded: int = 0
+    """Our fragments that did not land (store error, or the key already held other bytes)."""
     last_contributors: list[int] = field(default_factory=list)
 
 
@@ -169,21 +189,39 @@ class OuterSync:
         fut = self._io.submit(self._exchange, fid, data, own, shapes)
         self._pending.append(_Pending(fid, theta, fut, step + self.tau))
 
+    def _upload(self, fid: FragmentId, data: bytes) -> bool:
+        """Write our fragment once; True if the key now holds exactly our bytes."""
+        key = keys.sync_key(fid.run_id, fid.stage, fid.fragment, fid.round, fid.replica)
+        try:
+            if self.store.put_if_absent(key, data) is not None:
+                self._count(up=len(data))
+                return True
+            if self.store.get(key) == data:  # an earlier attempt of ours landed (retried PUT)
+                return True
+            reason = "the key already holds other bytes (a faulty writer, or this slot's previous node)"
+        except StoreError as e:
+            reason = str(e)
+        with self._lock:
+            self.stats.not_uploaded += 1
+        log.warning(
+            "our fragment %s did not land: %s; this round aggregates without it and it stays for a later round",
+            fid,
+            reason,
+        )
+        return False
+
     def _exchange(
         self, fid: FragmentId, data: bytes, own: list[torch.Tensor], shapes: list[torch.Size]
-    ) -> dict[int, list[torch.Tensor]]:
+    ) -> _Exchanged:
         """I/O thread: upload ours, then fetch every other replica's until all arrived or the deadline."""
-        contribs = {fid.replica: own}
-        try:
-            self.store.put(keys.sync_key(fid.run_id, fid.stage, fid.fragment, fid.round, fid.replica), data)
-        except StoreError as e:
-            log.warning("upload of %s failed (the other replicas will go on without it): %s", fid, e)
-        self._count(up=len(data))
+        landed = self._upload(fid, data)
+        contribs = {fid.replica: own} if landed else {}
+        excluded = set() if landed else {fid.replica}
         deadline = time.monotonic() + self.timeout_s
         prefix = keys.sync_prefix(fid.run_id, fid.stage, fid.fragment, fid.round)
         rejected: set[int] = set()
         while True:
-            wanted = set(self.stage_peers) - set(contribs) - rejected
+            wanted = set(self.stage_peers) - set(contribs) - rejected - excluded
             if not wanted or time.monotonic() > deadline:
                 break
             try:
@@ -206,9 +244,9 @@ class OuterSync:
                     with self._lock:
                         self.stats.rejected += 1
                     log.warning("rejected fragment of replica %d for %s: %s", r, fid, e)
-            if set(self.stage_peers) - set(contribs) - rejected:
+            if set(self.stage_peers) - set(contribs) - rejected - excluded:
                 time.sleep(self.poll_s)
-        missing = set(self.stage_peers) - set(contribs) - rejected
+        missing = set(self.stage_peers) - set(contribs) - rejected - excluded
         if missing:
             with self._lock:
                 self.stats.missing += len(missing)
@@ -220,24 +258,28 @@ class OuterSync:
                 self.timeout_s,
                 sorted(contribs),
             )
-        return contribs
+        return _Exchanged(contribs, None if landed else own)
 
     def _apply(self, p: _Pending) -> None:
         t = time.perf_counter()
-        contribs = p.future.result()
+        ex = p.future.result()
         with self._lock:
             self.stats.wait_s += time.perf_counter() - t
             self.stats.rounds_applied += 1
-            self.stats.last_contributors = sorted(contribs)
-        delta_bar = self.aggregate(contribs)
+            self.stats.last_contributors = sorted(ex.contribs)
+        if ex.unsent is not None:
+            self.codec.restore(p.fid, ex.unsent)
+        # nothing arrived, not even ours: the anchor stays and the replica restarts from it (+ drift)
+        delta_bar = self.aggregate(ex.contribs) if ex.contribs else None
         idx = self.fragments[p.fid.fragment]
         with torch.no_grad():
             for j, i in enumerate(idx):
-                update = delta_bar[j]
-                if self.momentum > 0:  # Nesterov: m <- mu m + g; step along g + mu m
-                    self.outer_m[i].mul_(self.momentum).add_(update)
-                    update = update + self.momentum * self.outer_m[i]
-                self.anchor[i].sub_(self.alpha * update)
+                if delta_bar is not None:
+                    update = delta_bar[j]
+                    if self.momentum > 0:  # Nesterov: m <- mu m + g; step along g + mu m
+                        self.outer_m[i].mul_(self.momentum).add_(update)
+                        update = update + self.momentum * self.outer_m[i]
+                    self.anchor[i].sub_(self.alpha * update)
                 drift = self.params[i].detach() - p.theta_at_capture[j]  # theta(a_f) - theta(c_f)
                 self.params[i].copy_(self.anchor[i] + drift)
 

@@ -62,6 +62,11 @@ class SparseLoCoCodec(FragmentCodec):
         )
         return encode_fragment(self.identity, header, cf), decompress(cf)
 
+    def restore(self, fid: FragmentId, unsent: list[torch.Tensor]) -> None:
+        """e_f += decode(c): a contribution nobody received is sent again in a later round."""
+        for e, u in zip(self.e[fid.fragment], unsent, strict=True):
+            e.add_(u)
+
     def expected_header(self, fid: FragmentId, shapes: list[torch.Size]) -> FragmentHeader:
         """The exact header a valid fragment for `fid` with these tensor shapes carries."""
         return FragmentHeader(

@@ -61,6 +61,7 @@ class WorkerMetrics:
     rounds: int = 0
     fragments_rejected: int = 0
     fragments_missing: int = 0
+    fragments_not_uploaded: int = 0
     weights_sha256: str = ""
     error: str = ""
 
@@ -346,6 +347,7 @@ class StageWorker:
         m.bytes_store_up, m.bytes_store_down = sync.stats.bytes_up, sync.stats.bytes_down
         m.sync_wait_s = sync.stats.wait_s
         m.fragments_rejected, m.fragments_missing = sync.stats.rejected, sync.stats.missing
+        m.fragments_not_uploaded = sync.stats.not_uploaded
 
     def _report(self) -> None:
         import json

@@ -7,7 +7,6 @@ replica's apply phase, so that tau = 0 (apply right after capture) cannot deadlo
 from __future__ import annotations
 
 import math
-import struct
 import uuid
 from collections.abc import Callable, Iterator
 
@@ -20,23 +19,19 @@ from node.sparseloco_sync import SparseLoCoCodec, make_aggregator, make_sync_par
 from protocol import keys
 from protocol.identity import Identity
 from protocol.runspec import RunSpec, SyncSpec
-from protocol.sparseloco import SparseLoCoConfig, compress
+from protocol.sparseloco import SparseLoCoConfig
 from protocol.sparseloco_format import (
     FragmentError,
-    FragmentHeader,
-    encode_fragment,
-    pack_payload,
     ratio,
-    seal_payload,
 )
 from protocol.store import ObjectStore, StoreConfig
+from tests.fragment_faults import KINDS, corrupt
 
 pytestmark = pytest.mark.timeout(60)
 
 CFG = SparseLoCoConfig()
 AGG = AggregationConfig(method="per_coordinate")
 IDS = [Identity.from_seed(bytes([i + 1]) * 32) for i in range(4)]
-MALLORY = Identity.from_seed(b"\x66" * 32)
 
 
 @pytest.fixture(scope="module")
@@ -166,45 +161,6 @@ def test_bytes_per_round_match_the_ratio(store: ObjectStore, closer: list[OuterS
         assert dense_all / per_round > 150  # headers included, on this 0.4M-parameter stage
 
 
-def valid_blob(identity: Identity, fid: FragmentId, shapes: list[tuple[int, ...]]) -> tuple[bytes, bytes]:
-    """(signed fragment bytes, its payload) of a random pseudo-gradient."""
-    g = torch.Generator().manual_seed(7)
-    cf = compress([torch.randn(s, generator=g) for s in shapes], CFG)
-    header = FragmentHeader.of(
-        cf, run_id=fid.run_id, stage=fid.stage, fragment=fid.fragment, round=fid.round, replica=fid.replica
-    )
-    return encode_fragment(identity, header, cf), pack_payload(cf)
-
-
-def corrupt(kind: str, fid: FragmentId, shapes: list[tuple[int, ...]]) -> bytes:
-    data, payload = valid_blob(IDS[fid.replica], fid, shapes)
-    if kind == "bad-signature":  # one payload bit flipped after signing
-        b = bytearray(data)
-        b[len(b) // 2] ^= 0x01
-        return bytes(b)
-    if kind == "untrusted-signer":  # well formed, but signed by a key that is not this replica's
-        return valid_blob(MALLORY, fid, shapes)[0]
-    if kind == "nan-scale":  # the first tensor scale set to NaN, then properly signed by the replica
-        cf = compress([torch.ones(s) for s in shapes], CFG)
-        header = FragmentHeader.of(
-            cf,
-            run_id=fid.run_id,
-            stage=fid.stage,
-            fragment=fid.fragment,
-            round=fid.round,
-            replica=fid.replica,
-        )
-        p = bytearray(payload)
-        p[6:10] = struct.pack("<f", float("nan"))  # u16 M | u32 U | f32 ref[0] ...
-        return seal_payload(IDS[fid.replica], header, bytes(p))
-    if kind == "truncated":
-        return data[: len(data) * 2 // 3]
-    raise AssertionError(kind)
-
-
-KINDS = ["bad-signature", "untrusted-signer", "nan-scale", "truncated"]
-
-
 def test_corrupted_fragments_are_rejected_and_the_round_completes(
     store: ObjectStore, closer: list[OuterSync]
 ) -> None:
@@ -215,7 +171,7 @@ def test_corrupted_fragments_are_rejected_and_the_round_completes(
     checker = SparseLoCoCodec(IDS[0], CFG)
     for rnd, kind in enumerate(KINDS):
         fid = FragmentId(run_id, 0, 0, rnd, 2)
-        blob = corrupt(kind, fid, SHAPES)
+        blob = corrupt(kind, IDS[2], fid, SHAPES, CFG)
         with pytest.raises(FragmentError):  # what each replica's I/O thread will see
             checker.decode(fid, blob, [torch.Size(s) for s in SHAPES], IDS[2].peer_id)
         store.put(keys.sync_key(run_id, 0, 0, rnd, 2), blob)
@@ -228,6 +184,55 @@ def test_corrupted_fragments_are_rejected_and_the_round_completes(
         assert_same_anchors(syncs)
     for s in syncs:
         assert all(bool(torch.isfinite(a).all()) for a in s.anchor)
+
+
+def test_fragment_keys_are_write_once_and_a_squatted_round_keeps_the_consensus(
+    store: ObjectStore, closer: list[OuterSync]
+) -> None:
+    """Garbage written first at replica 1's own key: nobody uses replica 1's round, consensus stays equal.
+
+    Replica 0 rejects the garbage; replica 1 finds its write refused (If-None-Match), leaves its own
+    contribution out too and puts it back into its error feedback for the next round."""
+    H = 2
+    run_id, syncs = make_replicas(store, SHAPES, R=2, H=H)
+    closer.extend(syncs)
+    fid = FragmentId(run_id, 0, 0, 0, 1)
+    squat = corrupt("truncated", IDS[1], fid, SHAPES, CFG)
+    store.put(keys.sync_key(run_id, 0, 0, 0, 1), squat)
+    e_before: list[torch.Tensor] = []
+
+    def snapshot_e(step: int) -> None:  # replica 1's buffer right after encode (Delta minus what it sent)
+        if step == H:
+            e_before.extend(t.clone() for t in syncs[1].codec.e[0])  # type: ignore[attr-defined]
+
+    for _ in lockstep(syncs, range(1, H + 1), before_apply=snapshot_e):
+        pass
+    assert syncs[0].stats.rejected == 1 and syncs[0].stats.not_uploaded == 0
+    assert syncs[1].stats.not_uploaded == 1 and syncs[1].stats.rejected == 0
+    assert [s.stats.last_contributors for s in syncs] == [[0], [0]]
+    assert_same_anchors(syncs)
+    assert store.get(keys.sync_key(run_id, 0, 0, 0, 1)) == squat  # the first write stays
+    restored = syncs[1].codec.e[0]  # type: ignore[attr-defined]
+    grew = [float(r.abs().sum() - b.abs().sum()) for r, b in zip(restored, e_before, strict=True)]
+    assert all(g > 0 for g in grew), grew  # e += decode(c): the unsent values are back in the buffer
+    # the next round is normal again: both contribute, anchors still identical
+    for _ in lockstep(syncs, range(H + 1, 2 * H + 1)):
+        pass
+    assert [s.stats.last_contributors for s in syncs] == [[0, 1], [0, 1]]
+    assert_same_anchors(syncs)
+
+
+def test_a_retried_upload_that_already_landed_counts_as_ours(
+    store: ObjectStore, closer: list[OuterSync]
+) -> None:
+    """put_if_absent refuses the second PUT of identical bytes; the uploader must still count itself in."""
+    _, syncs = make_replicas(store, SHAPES, R=1, H=2)
+    closer.extend(syncs)
+    fid = FragmentId(syncs[0].run_id, 0, 0, 0, 0)
+    data = b"the same bytes"
+    assert syncs[0]._upload(fid, data) and syncs[0]._upload(fid, data)
+    assert syncs[0].stats.not_uploaded == 0
+    assert not syncs[0]._upload(fid, b"other bytes") and syncs[0].stats.not_uploaded == 1
 
 
 @pytest.mark.parametrize("tau", [1, 2])

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import math
 import os
 import subprocess
 import sys
@@ -11,15 +12,22 @@ import urllib.request
 from pathlib import Path
 
 import pytest
+import torch
 
+from node.model import build_stage
+from node.outer_sync import FragmentId
+from node.sparseloco_sync import SparseLoCoCodec
 from protocol import keys
 from protocol.dht_client import DHTClient, dht_time
 from protocol.envelope import seal
 from protocol.identity import Identity
 from protocol.messages import Assignment
-from protocol.runspec import ModelSpec, RunSpec, SyncSpec, TrainSpec
+from protocol.runspec import ModelSpec, RunSpec, SyncSpec, TrainSpec, load_run_spec
+from protocol.sparseloco import SparseLoCoConfig
+from protocol.sparseloco_format import ratio
 from protocol.store import ObjectStore, StoreConfig
 from scripts.local_swarm import Swarm
+from tests.fragment_faults import corrupt
 
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(600)]
 
@@ -151,6 +159,93 @@ def test_two_outer_rounds_identical_consensus(swarm: Swarm, tmp_path: Path) -> N
 
     out = wait_until(cli_status, 60, "`crucible-coordinator status` to show swarm-a done", poll_s=2)
     assert out.count("swarm-a") >= 5  # the run line and its 4 nodes
+
+
+def _slots(swarm: Swarm, run_id: str) -> dict[tuple[int, int], int]:
+    """(replica, stage) -> index of the node serving it, from the nodes' /status."""
+    found = {}
+    for i, st in enumerate(swarm.statuses()):
+        m = st["metrics"] if st else None
+        if m and m["run_id"] == run_id:
+            found[(m["replica"], m["stage"])] = i
+    return found
+
+
+def test_sparseloco_bytes_per_round_and_corrupted_fragments_in_the_store(
+    swarm: Swarm, tmp_path: Path
+) -> None:
+    """SparseLoCo across 2 replicas x 2 stages, with garbage written into the store at replica 1's keys.
+
+    Every node uploads dense/ratio bytes per round (within 10%). The garbage (a flipped bit, a NaN scale
+    under a valid signature, a truncated fragment) is written first, so replica 1's own writes to those
+    keys are refused (write-once fragment keys); replica 0 rejects the garbage, replica 1 leaves its
+    contribution out too, every round completes and both replicas end with identical weights."""
+    run_id, H, rounds = "swarm-sl", 5, 10
+    toml = tmp_path / "run.toml"
+    toml.write_text(
+        RUN_TOML.format(run_id=run_id, steps=H * rounds, H=H, timeout=60).replace(
+            'method = "diloco"', 'method = "sparseloco"'
+        )
+    )
+    spec = load_run_spec(toml)
+    cfg = SparseLoCoConfig(chunk=spec.sync.chunk, k=spec.sync.k, beta=spec.sync.beta)
+    ranges = spec.layer_ranges()
+    shapes = {st: [tuple(p.shape) for p in build_stage(spec.model, ranges, st).parameters()] for st in (0, 1)}
+    store = ObjectStore(StoreConfig(endpoint_url=swarm.store_url, bucket="crucible"))
+    swarm.launch(toml)
+    slots = wait_until(lambda: (f := _slots(swarm, run_id)) and len(f) == 4 and f, 120, f"{run_id} placed")
+    signer = {st: Identity.load_or_create(swarm.out / f"node{slots[(1, st)]}.key") for st in (0, 1)}
+
+    placed: list[tuple[str, int, int]] = []  # (kind, stage, round); written before replica 1 gets there
+    rnd = 3
+    for kind, st in (("bad-signature", 0), ("nan-scale", 1), ("truncated", 0)):
+        while True:
+            assert rnd < rounds, f"the run reached round {rnd} before the test could write {kind}"
+            blob = corrupt(kind, signer[st], FragmentId(run_id, st, 0, rnd, 1), shapes[st], cfg)
+            rnd += 1
+            if store.put_if_absent(keys.sync_key(run_id, st, 0, rnd - 1, 1), blob) is not None:
+                placed.append((kind, st, rnd - 1))
+                break
+
+    def finished():
+        ms = run_metrics(swarm, run_id)
+        return len(ms) == 4 and all(m["state"] == "done" for m in ms) and ms
+
+    by_slot = {(m["replica"], m["stage"]): m for m in wait_until(finished, 300, f"{run_id} to finish")}
+    for st in (0, 1):
+        bad = sum(1 for _, s, _ in placed if s == st)
+        r0, r1 = by_slot[(0, st)], by_slot[(1, st)]
+        assert r0["rounds"] == r1["rounds"] == rounds
+        assert r0["weights_sha256"] == r1["weights_sha256"] != "", f"stage {st}: replicas disagree"
+        assert (r0["fragments_rejected"], r0["fragments_missing"], r0["fragments_not_uploaded"]) == (
+            bad,
+            0,
+            0,
+        )
+        assert (r1["fragments_rejected"], r1["fragments_missing"], r1["fragments_not_uploaded"]) == (
+            0,
+            0,
+            bad,
+        )
+        # bytes uploaded per round vs dense fp32 / ratio (= the codec's wire size, header included)
+        header = SparseLoCoCodec(signer[st], cfg).expected_header(
+            FragmentId(run_id, st, 0, 0, 0), [torch.Size(s) for s in shapes[st]]
+        )
+        want = 4 * sum(math.prod(s) for s in shapes[st]) / ratio(shapes[st], cfg, header=header)
+        for m, sent_rounds in ((r0, rounds), (r1, rounds - bad)):
+            per_round = m["bytes_store_up"] / sent_rounds
+            assert abs(per_round - want) <= 0.10 * want, f"stage {st}: {per_round:.0f} B/round vs {want:.0f}"
+        for kind, s, r in placed:
+            if s == st:  # the first write stays: replica 1's refused upload did not replace the garbage
+                key = keys.sync_key(run_id, st, 0, r, 1)
+                assert store.get(key) == corrupt(
+                    kind, signer[st], FragmentId(run_id, st, 0, r, 1), shapes[st], cfg
+                )
+    r0_logs = "".join(swarm.nodes[slots[(0, st)]].log_text() for st in (0, 1))
+    assert r0_logs.count("rejected fragment of replica 1") == len(placed)
+    for i in slots.values():
+        with urllib.request.urlopen(f"{swarm.health[i]}/health", timeout=5) as r:
+            assert json.load(r)["status"] == "ok"
 
 
 def test_bad_input_is_rejected_and_node_keeps_running(swarm: Swarm) -> None:

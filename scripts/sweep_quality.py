@@ -25,7 +25,9 @@ from pathlib import Path
 from scripts.bench_quality import ARMS
 
 
-def run_arm(seed: int, arm: str, extra: list[str], out: Path, timeout_s: float) -> tuple[int, str, float | None]:
+def run_arm(
+    seed: int, arm: str, extra: list[str], out: Path, timeout_s: float
+) -> tuple[int, str, float | None]:
     log = out / f"seed{seed}_{arm}.log"
     cmd = [sys.executable, "-m", "scripts.bench_quality", "--arms", arm, "--data-seed", str(seed)]
     cmd += ["--threads", "1", *extra]

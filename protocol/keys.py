@@ -42,6 +42,8 @@ def sync_prefix(run: str, stage: int, frag: int, rnd: int) -> str:
 
 
 def sync_key(run: str, stage: int, frag: int, rnd: int, replica: int) -> str:
+    """One replica's signed pseudo-gradient fragment for one round. Write-once (If-None-Match PUT), so
+    every reader sees the same bytes; readers verify the signer expected for `replica`."""
     return f"{sync_prefix(run, stage, frag, rnd)}{replica}"
 
 

@@ -193,14 +193,18 @@ class OuterSync:
         """Write our fragment once; True if the key now holds exactly our bytes."""
         key = keys.sync_key(fid.run_id, fid.stage, fid.fragment, fid.round, fid.replica)
         try:
-            if self.store.put_if_absent(key, data) is not None:
-                self._count(up=len(data))
-                return True
-            if self.store.get(key) == data:  # an earlier attempt of ours landed (retried PUT)
-                return True
+            landed = self.store.put_if_absent(key, data) is not None
             reason = "the key already holds other bytes (a faulty writer, or this slot's previous node)"
         except StoreError as e:
-            reason = str(e)
+            landed, reason = False, str(e)
+        if not landed:
+            try:  # a PUT whose reply was lost (or an earlier attempt of ours) may have landed all the same
+                landed = self.store.get(key) == data
+            except StoreError:
+                pass
+        if landed:
+            self._count(up=len(data))
+            return True
         with self._lock:
             self.stats.not_uploaded += 1
         log.warning(

@@ -52,6 +52,7 @@ eval_batches = 4
 [sync]
 method = "{sync}"
 H = {H}
+beta = {beta}
 alpha = 1.0
 timeout_s = 120.0
 
@@ -68,6 +69,18 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     ap.add_argument("--stages", type=int, default=2, help="S: stages per replica (default 2)")
     ap.add_argument("--steps", type=int, default=240, help="inner steps per replica (default 240)")
     ap.add_argument("--H", type=int, default=30, help="inner steps per outer round (default 30)")
+    ap.add_argument(
+        "--beta",
+        type=float,
+        default=0.95,
+        help="SparseLoCo error-feedback decay (default 0.95)",
+    )
+    ap.add_argument(
+        "--eval-every-steps",
+        type=int,
+        default=30,
+        help="validate about every this many inner steps, at a round boundary (default 30)",
+    )
     ap.add_argument(
         "--sync",
         default="sparseloco",
@@ -459,7 +472,8 @@ def main(argv: list[str] | None = None) -> int:
                     H=args.H,
                     sync=args.sync,
                     data=args.data,
-                    eval_every=1,
+                    beta=args.beta,
+                    eval_every=max(1, round(args.eval_every_steps / args.H)),
                 ),
                 # subspace-compressed links by default: k = d/8 on every boundary (DESIGN section 4)
                 link_k=args.link_k if args.link_k is not None else [256 // 8] * (stages - 1),

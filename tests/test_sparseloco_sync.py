@@ -235,6 +235,20 @@ def test_a_retried_upload_that_already_landed_counts_as_ours(
     assert not syncs[0]._upload(fid, b"other bytes") and syncs[0].stats.not_uploaded == 1
 
 
+def test_an_unreachable_store_counts_the_fragment_as_not_uploaded(closer: list[OuterSync]) -> None:
+    """Connection refused on PUT and on the check GET: the uploader leaves itself out of the round."""
+    import socket
+
+    with socket.socket() as s:  # a port nothing listens on
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    dead = ObjectStore(StoreConfig(endpoint_url=f"http://127.0.0.1:{port}", bucket="gone"), timeout_s=2)
+    _, syncs = make_replicas(dead, SHAPES, R=1, H=2)
+    closer.extend(syncs)
+    assert not syncs[0]._upload(FragmentId(syncs[0].run_id, 0, 0, 0, 0), b"fragment")
+    assert syncs[0].stats.not_uploaded == 1 and syncs[0].stats.bytes_up == 0
+
+
 @pytest.mark.parametrize("tau", [1, 2])
 def test_streaming_applies_at_c_plus_tau_and_keeps_the_drift(
     store: ObjectStore, closer: list[OuterSync], tau: int

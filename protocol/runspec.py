@@ -117,7 +117,9 @@ class SyncSpec:
     chunk: int = 4096
     """SparseLoCo: coordinates per chunk, a perfect square (2-D weights are cut into 64 x 64 tiles)."""
     beta: float = 0.95
-    """SparseLoCo: error-feedback decay, e = beta * e + Delta before each compression."""
+    """SparseLoCo: error-feedback decay, e = beta * e + Delta before each compression. 0.95 is the paper's
+    (thousands of rounds); runs of tens to hundreds of rounds train better with 0.6-0.8 (the local swarm
+    and docs/examples/run.toml use 0.7; docs/benchmarks.md)."""
     aggregation: Literal["mean", "per_coordinate"] = "per_coordinate"
     """How arrived contributions are averaged: "mean" over arrivals (the paper) or "per_coordinate",
     each coordinate divided by the number of replicas that sent it (Templar; see docs/benchmarks.md)."""

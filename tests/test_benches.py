@@ -1,0 +1,55 @@
+"""The benchmark scripts still run and print their one JSON line (smoke-sized; figures live in docs)."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+
+import pytest
+
+pytestmark = [pytest.mark.slow, pytest.mark.timeout(300)]
+
+
+def run_bench(*args: str) -> dict:
+    p = subprocess.run(
+        [sys.executable, "-m", *args], capture_output=True, text=True, timeout=280, check=False
+    )
+    assert p.returncode == 0, p.stderr[-3000:]
+    return json.loads(p.stdout.strip().splitlines()[-1])
+
+
+def test_bench_codec_reports_the_ratio() -> None:
+    out = run_bench("scripts.bench_codec", "--sizes", "1M")
+    assert out["ratio"] > 150 and out["encode_gbps"] > 0 and out["decode_gbps"] > 0
+
+
+def test_bench_pipeline_quick() -> None:
+    out = run_bench("scripts.bench_pipeline", "--quick")
+    assert 0 < out["payload_fraction"] < 0.5  # the k-wide subspace links send a fraction of dense
+    assert "tax" in out
+
+
+def test_bench_subspace_quality_quick() -> None:
+    out = run_bench("scripts.bench_subspace_quality", "--quick")
+    assert out["fwd_bytes_subspace"] < out["fwd_bytes_dense"] and out["val_bpb_subspace"] > 0
+    assert out["off_subspace"] < 1e-3  # the constrained stages keep the residual stream in span(U)
+
+
+def test_sweep_quality_runs_bench_quality_per_seed_and_arm(tmp_path) -> None:  # type: ignore[no-untyped-def]
+    out = run_bench(
+        "scripts.sweep_quality",
+        "--seeds",
+        "1,2",
+        "--arms",
+        "adamw,sparseloco",
+        "--out",
+        str(tmp_path),
+        "--",
+        "--quick",
+    )
+    assert out["failed"] == []
+    assert set(out["val_bpb"]["1"]) == {"adamw", "sparseloco"}
+    gap = out["gaps"]["sparseloco_vs_adamw"]
+    assert gap["n"] == 2 and abs(gap["mean"]) < 0.5  # both arms trained: neither is off by half
+    assert len(list(tmp_path.glob("seed*_*.log"))) == 4

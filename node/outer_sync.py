@@ -14,9 +14,11 @@ only for what is still in flight, and that wait is recorded.
 
 Fragment keys are write-once (conditional PUT, If-None-Match): every reader of a key sees the same bytes,
 so an object cannot be swapped between two replicas' reads. If our key already holds other bytes
-(a faulty or stale writer got there first), every other replica rejects or uses those bytes, not ours;
-we leave our own contribution out of the aggregate too, so the consensus stays identical, and hand it
-back to the codec (SparseLoCo's error feedback sends it in a later round).
+(a faulty writer got there first, or our own upload from before a restart), we treat our slot exactly
+as every other replica does: use those bytes if they validate against this slot's signer, leave the
+slot out if not. The consensus stays identical, and our unused contribution goes back to the codec
+(SparseLoCo's error feedback sends it in a later round). A store that does not answer is retried
+until the round's deadline.
 """
 
 from __future__ import annotations
@@ -72,9 +74,9 @@ Aggregator = Callable[[dict[int, list[torch.Tensor]]], list[torch.Tensor]]
 @dataclass
 class _Exchanged:
     contribs: dict[int, list[torch.Tensor]]
-    """Replica -> decoded contribution, ours included only if our upload landed."""
+    """Replica -> decoded contribution; for our slot, whatever every replica reads at our key."""
     unsent: list[torch.Tensor] | None
-    """Our contribution when our upload did not land (handed back to the codec at apply time)."""
+    """Our contribution when the round did not use it (handed back to the codec at apply time)."""
 
 
 @dataclass
@@ -189,45 +191,62 @@ class OuterSync:
         fut = self._io.submit(self._exchange, fid, data, own, shapes)
         self._pending.append(_Pending(fid, theta, fut, step + self.tau))
 
-    def _upload(self, fid: FragmentId, data: bytes) -> bool:
-        """Write our fragment once; True if the key now holds exactly our bytes."""
-        key = keys.sync_key(fid.run_id, fid.stage, fid.fragment, fid.round, fid.replica)
+    def _put_once(self, key: str, data: bytes) -> tuple[bool | None, bytes | None]:
+        """Write-once PUT of our fragment: (True, None) if the key holds our bytes, (False, what it holds)
+        if it holds other bytes, (None, None) if the store did not answer (try again later)."""
         try:
-            landed = self.store.put_if_absent(key, data) is not None
-            reason = "the key already holds other bytes (a faulty writer, or this slot's previous node)"
+            if self.store.put_if_absent(key, data) is not None:
+                self._count(up=len(data))
+                return True, None
         except StoreError as e:
-            landed, reason = False, str(e)
-        if not landed:
-            try:  # a PUT whose reply was lost (or an earlier attempt of ours) may have landed all the same
-                landed = self.store.get(key) == data
-            except StoreError:
-                pass
-        if landed:
-            self._count(up=len(data))
-            return True
-        with self._lock:
-            self.stats.not_uploaded += 1
-        log.warning(
-            "our fragment %s did not land: %s; this round aggregates without it and it stays for a later round",
-            fid,
-            reason,
-        )
-        return False
+            log.debug("upload of %s failed (retrying until the round's deadline): %s", key, e)
+        try:  # refused, or a PUT whose reply was lost: what does the key hold now?
+            stored = self.store.get(key)
+        except StoreError:
+            return None, None
+        if stored is None:
+            return None, None
+        return (True, None) if stored == data else (False, stored)
 
     def _exchange(
         self, fid: FragmentId, data: bytes, own: list[torch.Tensor], shapes: list[torch.Size]
     ) -> _Exchanged:
-        """I/O thread: upload ours, then fetch every other replica's until all arrived or the deadline."""
-        landed = self._upload(fid, data)
-        contribs = {fid.replica: own} if landed else {}
-        excluded = set() if landed else {fid.replica}
+        """I/O thread: upload ours, then fetch every other replica's until all arrived or the deadline.
+
+        Our own key is resolved like a peer's: if it holds other bytes, the round uses what every other
+        replica reads there (a valid fragment of this slot, e.g. from before a restart, or nothing)."""
+        me = fid.replica
+        own_key = keys.sync_key(fid.run_id, fid.stage, fid.fragment, fid.round, me)
+        contribs: dict[int, list[torch.Tensor]] = {}
+        rejected: set[int] = set()
+        why_not_ours = "the object store did not answer before the deadline"
+
+        def resolve_own() -> None:
+            nonlocal why_not_ours
+            state, stored = self._put_once(own_key, data)
+            if state is True:
+                contribs[me] = own
+            elif state is False and stored is not None:
+                self._count(down=len(stored))
+                try:  # what the other replicas will use: validated against this slot's signer
+                    contribs[me] = self.codec.decode(fid, stored, shapes, self.stage_peers.get(me, ""))
+                    why_not_ours = (
+                        "the key already held a valid fragment of this slot (written before a restart)"
+                    )
+                except ProtocolError as e:
+                    rejected.add(me)
+                    why_not_ours = f"the key already held other bytes, rejected by everyone: {e}"
+
+        resolve_own()
         deadline = time.monotonic() + self.timeout_s
         prefix = keys.sync_prefix(fid.run_id, fid.stage, fid.fragment, fid.round)
-        rejected: set[int] = set()
         while True:
-            wanted = set(self.stage_peers) - set(contribs) - rejected - excluded
+            wanted = (set(self.stage_peers) | {me}) - set(contribs) - rejected
             if not wanted or time.monotonic() > deadline:
                 break
+            if me in wanted:
+                resolve_own()
+                wanted.discard(me)
             try:
                 present = {
                     int(k.rsplit("/", 1)[1]) for k in self.store.list(prefix) if k.rsplit("/", 1)[1].isdigit()
@@ -248,9 +267,18 @@ class OuterSync:
                     with self._lock:
                         self.stats.rejected += 1
                     log.warning("rejected fragment of replica %d for %s: %s", r, fid, e)
-            if set(self.stage_peers) - set(contribs) - rejected - excluded:
+            if (set(self.stage_peers) | {me}) - set(contribs) - rejected:
                 time.sleep(self.poll_s)
-        missing = set(self.stage_peers) - set(contribs) - rejected - excluded
+        ours_used = contribs.get(me) is own
+        if not ours_used:
+            with self._lock:
+                self.stats.not_uploaded += 1
+            log.warning(
+                "our fragment %s was not used: %s; it stays in error feedback for a later round",
+                fid,
+                why_not_ours,
+            )
+        missing = set(self.stage_peers) - set(contribs) - rejected - {me}
         if missing:
             with self._lock:
                 self.stats.missing += len(missing)
@@ -262,7 +290,7 @@ class OuterSync:
                 self.timeout_s,
                 sorted(contribs),
             )
-        return _Exchanged(contribs, None if landed else own)
+        return _Exchanged(contribs, None if ours_used else own)
 
     def _apply(self, p: _Pending) -> None:
         t = time.perf_counter()

@@ -299,7 +299,9 @@ class StageWorker:
                     rnd = (step + 1) // spec.sync.H
                     m.rounds = rnd
                     # any replica that took part holds the consensus: the lowest one writes it
-                    if a.replica == min(sync.stats.last_contributors, default=a.replica):
+                    # (nobody contributed: no new consensus, and the replicas' weights may differ)
+                    contributors = sync.stats.last_contributors
+                    if contributors and a.replica == min(contributors):
                         self._save_checkpoint(module, step + 1)
                     if spec.eval_every and rnd % spec.eval_every == 0 and step + 1 < spec.train.total_steps:
                         self._evaluate(pipe, step + 1, val)

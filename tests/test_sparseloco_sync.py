@@ -25,7 +25,7 @@ from protocol.sparseloco_format import (
     ratio,
 )
 from protocol.store import ObjectStore, StoreConfig
-from tests.fragment_faults import KINDS, corrupt
+from tests.fragment_faults import KINDS, corrupt, valid_blob
 
 pytestmark = pytest.mark.timeout(60)
 
@@ -222,21 +222,36 @@ def test_fragment_keys_are_write_once_and_a_squatted_round_keeps_the_consensus(
     assert_same_anchors(syncs)
 
 
-def test_a_retried_upload_that_already_landed_counts_as_ours(
+def test_a_valid_fragment_already_at_our_key_is_what_the_round_uses(
     store: ObjectStore, closer: list[OuterSync]
 ) -> None:
-    """put_if_absent refuses the second PUT of identical bytes; the uploader must still count itself in."""
+    """A node that replays a round after a restart finds its own earlier, validly signed upload at its key:
+    every replica (itself included) aggregates those stored bytes, so the consensus stays identical."""
+    H = 2
+    run_id, syncs = make_replicas(store, SHAPES, R=2, H=H)
+    closer.extend(syncs)
+    fid = FragmentId(run_id, 0, 0, 0, 1)
+    earlier = valid_blob(IDS[1], fid, SHAPES, CFG)[0]
+    store.put(keys.sync_key(run_id, 0, 0, 0, 1), earlier)
+    for _ in lockstep(syncs, range(1, H + 1)):
+        pass
+    assert [s.stats.last_contributors for s in syncs] == [[0, 1], [0, 1]]
+    assert syncs[1].stats.not_uploaded == 1 and syncs[0].stats.rejected == 0
+    assert_same_anchors(syncs)
+
+
+def test_put_once_tells_ours_from_other_bytes(store: ObjectStore, closer: list[OuterSync]) -> None:
+    """put_if_absent refuses a second PUT of identical bytes (a retry whose first attempt landed): ours."""
     _, syncs = make_replicas(store, SHAPES, R=1, H=2)
     closer.extend(syncs)
-    fid = FragmentId(syncs[0].run_id, 0, 0, 0, 0)
-    data = b"the same bytes"
-    assert syncs[0]._upload(fid, data) and syncs[0]._upload(fid, data)
-    assert syncs[0].stats.not_uploaded == 0
-    assert not syncs[0]._upload(fid, b"other bytes") and syncs[0].stats.not_uploaded == 1
+    key = keys.sync_key(syncs[0].run_id, 0, 0, 0, 0)
+    assert syncs[0]._put_once(key, b"the same bytes") == (True, None)
+    assert syncs[0]._put_once(key, b"the same bytes") == (True, None)
+    assert syncs[0]._put_once(key, b"other bytes") == (False, b"the same bytes")
 
 
-def test_an_unreachable_store_counts_the_fragment_as_not_uploaded(closer: list[OuterSync]) -> None:
-    """Connection refused on PUT and on the check GET: the uploader leaves itself out of the round."""
+def test_an_unreachable_store_leaves_our_fragment_unused(closer: list[OuterSync]) -> None:
+    """Connection refused on every PUT and GET until the deadline: the round goes on without us."""
     import socket
 
     with socket.socket() as s:  # a port nothing listens on
@@ -244,9 +259,14 @@ def test_an_unreachable_store_counts_the_fragment_as_not_uploaded(closer: list[O
         port = s.getsockname()[1]
     dead = ObjectStore(StoreConfig(endpoint_url=f"http://127.0.0.1:{port}", bucket="gone"), timeout_s=2)
     _, syncs = make_replicas(dead, SHAPES, R=1, H=2)
+    syncs[0].timeout_s = 1.0
     closer.extend(syncs)
-    assert not syncs[0]._upload(FragmentId(syncs[0].run_id, 0, 0, 0, 0), b"fragment")
+    assert syncs[0]._put_once("k", b"fragment") == (None, None)
+    for _ in lockstep(syncs, range(1, 3)):
+        pass
     assert syncs[0].stats.not_uploaded == 1 and syncs[0].stats.bytes_up == 0
+    assert syncs[0].stats.last_contributors == []
+    assert all(torch.equal(a, p.detach()) for a, p in zip(syncs[0].anchor, syncs[0].params, strict=True))
 
 
 @pytest.mark.parametrize("tau", [1, 2])

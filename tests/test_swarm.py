@@ -180,7 +180,7 @@ def test_sparseloco_bytes_per_round_and_corrupted_fragments_in_the_store(
     under a valid signature, a truncated fragment) is written first, so replica 1's own writes to those
     keys are refused (write-once fragment keys); replica 0 rejects the garbage, replica 1 leaves its
     contribution out too, every round completes and both replicas end with identical weights."""
-    run_id, H, rounds = "swarm-sl", 5, 10
+    run_id, H, rounds = "swarm-sl", 5, 14  # P = 1: one fragment per stage and round
     toml = tmp_path / "run.toml"
     toml.write_text(
         RUN_TOML.format(run_id=run_id, steps=H * rounds, H=H, timeout=60).replace(

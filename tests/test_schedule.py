@@ -11,21 +11,16 @@ import torch
 from node.model import build_full_model, build_stage, lm_loss
 from node.schedule import PipelineStage
 from node.subspace_model import boundary_codecs
-from node.transport import Link, connect, listen
+from node.transport import Link
 from protocol.runspec import ModelSpec, RunSpec
+from tests.tcp_pair import socket_pair
 
 SPEC = RunSpec(run_id="t", stages=3, model=ModelSpec(d_model=32, n_layers=3, n_heads=2, d_ff=64, seq_len=16))
 M = 5
 
 
 def _link_pair() -> tuple[Link, Link]:
-    srv = listen("127.0.0.1", 0)
-    srv.settimeout(10)
-    try:
-        a = connect("127.0.0.1", srv.getsockname()[1], timeout_s=10)
-        b, _ = srv.accept()
-    finally:
-        srv.close()
+    a, b = socket_pair()
     return Link(a, "next"), Link(b, "prev")
 
 

@@ -11,22 +11,11 @@ from collections.abc import Iterator
 
 import pytest
 
-from node.transport import Link, LinkError, Shaper, connect, listen
+from node.transport import Link, LinkError, Shaper
 from protocol.framing import FrameError
+from tests.tcp_pair import socket_pair
 
 pytestmark = pytest.mark.timeout(60)
-
-
-def _sockets() -> tuple[socket.socket, socket.socket]:
-    """A connected (client, server) TCP pair on 127.0.0.1, port 0."""
-    srv = listen("127.0.0.1", 0)
-    srv.settimeout(10)
-    try:
-        a = connect("127.0.0.1", srv.getsockname()[1], timeout_s=10)
-        b, _ = srv.accept()
-    finally:
-        srv.close()
-    return a, b
 
 
 @pytest.fixture
@@ -38,7 +27,7 @@ def links() -> Iterator[list[Link]]:
 
 
 def _pair(made: list[Link], a: dict | None = None, b: dict | None = None) -> tuple[Link, Link]:
-    sa, sb = _sockets()
+    sa, sb = socket_pair()
     la, lb = Link(sa, "b", **(a or {})), Link(sb, "a", **(b or {}))
     made += [la, lb]
     return la, lb
@@ -117,7 +106,7 @@ def test_oversize_frames_are_refused_on_both_sides(links: list[Link]) -> None:
     ids=["length-4GiB", "truncated"],
 )
 def test_malformed_frame_closes_the_link(links: list[Link], garbage: bytes) -> None:
-    raw, sock = _sockets()
+    raw, sock = socket_pair()
     link = Link(sock, "raw peer")
     links.append(link)
     raw.sendall(garbage)
@@ -134,7 +123,7 @@ def test_malformed_frame_closes_the_link(links: list[Link], garbage: bytes) -> N
 
 
 def test_send_blocks_when_the_peer_does_not_read(links: list[Link]) -> None:
-    raw, sock = _sockets()
+    raw, sock = socket_pair()
     raw.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, 64 * 1024)
     sock.setsockopt(socket.SOL_SOCKET, socket.SO_SNDBUF, 64 * 1024)
     link = Link(sock, "silent peer", queue_depth=2)

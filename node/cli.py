@@ -100,6 +100,21 @@ def build_parser() -> argparse.ArgumentParser:
     j.add_argument(
         "--torch-threads", type=int, default=None, help="torch intra-op threads (default: torch's choice)"
     )
+    j.add_argument(
+        "--device",
+        default=None,
+        metavar="auto|cuda|cuda:N|cpu",
+        help="where stages train (default auto: the first CUDA GPU that no other node on this host has "
+        "claimed, else the CPU; example: --device cuda:1)",
+    )
+    j.add_argument(
+        "--no-compile",
+        dest="compile",
+        action="store_const",
+        const=False,
+        default=None,
+        help="do not torch.compile the stage on CUDA (compiling costs ~20 s at the first step, then pays)",
+    )
 
     i = sub.add_parser("identity", help="print this host's peer id, creating its key if needed")
     i.add_argument("--key-file", default=None, help="identity seed file (default ~/.crucible/node.key)")
@@ -129,6 +144,8 @@ def load_node_config(args: argparse.Namespace) -> Any:
         "operator_key": "operator_key",
         "price_per_hour": "price_per_hour",
         "torch_threads": "torch_threads",
+        "device": "device",
+        "compile": "compile",
     }
     for flag, name in flag_map.items():
         v = getattr(args, flag, None)
@@ -212,10 +229,14 @@ def cmd_join(args: argparse.Namespace) -> int:
     except BootstrapError as e:
         print(f"error: {e}", file=sys.stderr)
         return 1
+    except ValueError as e:  # e.g. --device cuda on a host without one
+        print(f"error: {e}", file=sys.stderr)
+        return 2
     _install_signals(daemon.stop_event.set)
     print(
         f"crucible-node ready: peer_id={daemon.peer_id} pipeline={cfg.announce_host or cfg.host}:{daemon.acceptor.port} "
-        f"health=http://{cfg.host}:{daemon.health.port}/health tflops={daemon.tflops:.3f} store_mbps={daemon.store_mbps:.0f}",
+        f"health=http://{cfg.host}:{daemon.health.port}/health device={daemon.device} "
+        f"tflops={daemon.tflops:.3f} store_mbps={daemon.store_mbps:.0f}",
         flush=True,
     )
     try:

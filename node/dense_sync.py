@@ -7,7 +7,7 @@ from __future__ import annotations
 
 import torch
 
-from node.outer_sync import FragmentCodec, FragmentId
+from node.outer_sync import Encoding, FragmentCodec, FragmentId
 from protocol.dense_fragment import decode_dense, encode_dense
 from protocol.identity import Identity
 
@@ -29,8 +29,9 @@ class DenseCodec(FragmentCodec):
     def __init__(self, identity: Identity) -> None:
         self.identity = identity
 
-    def encode(self, fid: FragmentId, delta: list[torch.Tensor]) -> tuple[bytes, list[torch.Tensor]]:
-        return encode_dense(self.identity, fragment_header(fid), delta), [d.float() for d in delta]
+    def encode(self, fid: FragmentId, delta: list[torch.Tensor]) -> Encoding:
+        host = [d.detach().float().cpu() for d in delta]  # the whole pseudo-gradient crosses to the host
+        return lambda: (encode_dense(self.identity, fragment_header(fid), host), host)
 
     def decode(
         self, fid: FragmentId, data: bytes, shapes: list[torch.Size], signer: str

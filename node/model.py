@@ -107,11 +107,23 @@ class Stage(nn.Module):
         # (V, d) fixed token table T of a subspace-compressed pipeline (node/subspace_model.py); None = plain
         self.token_table: torch.Tensor | None
         self.register_buffer("token_table", None, persistent=False)
+        self.autocast_bf16 = False
+        """bf16 autocast around the forward (fp32 master weights stay fp32); see `set_precision`."""
         init_weights_(self, spec)
+
+    def set_precision(self, precision: str) -> None:
+        """ "bf16": matmuls in bf16 under autocast, parameters and optimizer state stay fp32; "fp32": plain."""
+        if precision not in ("fp32", "bf16"):
+            raise ValueError(f"precision {precision!r} must be 'fp32' or 'bf16'")
+        self.autocast_bf16 = precision == "bf16"
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         """First stage: x is (b, L) token ids; otherwise (b, L, d) hidden states.
         Returns (b, L, vocab) logits on the last stage, else (b, L, d) hidden states."""
+        with torch.autocast(x.device.type, dtype=torch.bfloat16, enabled=self.autocast_bf16):
+            return self._forward(x)
+
+    def _forward(self, x: torch.Tensor) -> torch.Tensor:
         h = self.embed(x) if self.embed is not None else x
         if self.embed is not None and self.token_table is not None:
             h = h + self.token_table[x]  # E[x] + T[x] (DESIGN section 4)

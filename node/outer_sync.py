@@ -50,11 +50,17 @@ class FragmentId:
     replica: int
 
 
+Encoding = Callable[[], tuple[bytes, list[torch.Tensor]]]
+"""The host half of an encode: () -> (signed wire bytes, the contribution exactly as receivers decode it,
+as float32 CPU tensors). OuterSync runs it on its I/O thread, so entropy coding and signing overlap training."""
+
+
 class FragmentCodec(Protocol):
     """Turns a fragment's pseudo-gradient into signed wire bytes and back."""
 
-    def encode(self, fid: FragmentId, delta: list[torch.Tensor]) -> tuple[bytes, list[torch.Tensor]]:
-        """Wire bytes, and the contribution exactly as receivers will decode it."""
+    def encode(self, fid: FragmentId, delta: list[torch.Tensor]) -> Encoding:
+        """Run what must happen before training moves on (e.g. error feedback, on delta's device) and
+        return the rest as an `Encoding` for the I/O thread."""
         ...
 
     def decode(
@@ -186,9 +192,9 @@ class OuterSync:
             theta = [self.params[i].detach().clone() for i in idx]
             delta = [self.anchor[i] - t for i, t in zip(idx, theta, strict=True)]  # Delta = anchor - local
         fid = FragmentId(self.run_id, self.stage, f, rnd, self.replica)
-        data, own = self.codec.encode(fid, delta)
+        encoding = self.codec.encode(fid, delta)
         shapes = [self.params[i].shape for i in idx]
-        fut = self._io.submit(self._exchange, fid, data, own, shapes)
+        fut = self._io.submit(self._exchange, fid, encoding, shapes)
         self._pending.append(_Pending(fid, theta, fut, step + self.tau))
 
     def _put_once(self, key: str, data: bytes) -> tuple[bool | None, bytes | None]:
@@ -208,13 +214,13 @@ class OuterSync:
             return None, None
         return (True, None) if stored == data else (False, stored)
 
-    def _exchange(
-        self, fid: FragmentId, data: bytes, own: list[torch.Tensor], shapes: list[torch.Size]
-    ) -> _Exchanged:
-        """I/O thread: upload ours, then fetch every other replica's until all arrived or the deadline.
+    def _exchange(self, fid: FragmentId, encoding: Encoding, shapes: list[torch.Size]) -> _Exchanged:
+        """I/O thread: finish encoding ours, upload it, then fetch every other replica's until all arrived
+        or the deadline.
 
         Our own key is resolved like a peer's: if it holds other bytes, the round uses what every other
         replica reads there (a valid fragment of this slot, e.g. from before a restart, or nothing)."""
+        data, own = encoding()
         me = fid.replica
         own_key = keys.sync_key(fid.run_id, fid.stage, fid.fragment, fid.round, me)
         contribs: dict[int, list[torch.Tensor]] = {}
@@ -307,7 +313,7 @@ class OuterSync:
         with torch.no_grad():
             for j, i in enumerate(idx):
                 if delta_bar is not None:
-                    update = delta_bar[j]
+                    update = delta_bar[j].to(self.anchor[i].device)  # host consensus -> the stage's device
                     if self.momentum > 0:  # Nesterov: m <- mu m + g; step along g + mu m
                         self.outer_m[i].mul_(self.momentum).add_(update)
                         update = update + self.momentum * self.outer_m[i]

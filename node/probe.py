@@ -9,36 +9,40 @@ import uuid
 import psutil
 import torch
 
+from node.device import synchronize
 from protocol.store import ObjectStore, StoreError
 
 
-def device_name() -> str:
-    if torch.cuda.is_available():
-        return f"cuda:{torch.cuda.get_device_name(0)}"
+def device_name(device: torch.device) -> str:
+    """ "cuda:NVIDIA H200" for a GPU (the name placement and the planner's table read), "cpu" otherwise."""
+    if device.type == "cuda":
+        return f"cuda:{torch.cuda.get_device_name(device)}"
     return "cpu"
 
 
-def memory_gb() -> float:
-    if torch.cuda.is_available():
-        return torch.cuda.get_device_properties(0).total_memory / 2**30
+def memory_gb(device: torch.device) -> float:
+    """Total memory of the device in GiB (the host's RAM for the CPU)."""
+    if device.type == "cuda":
+        return torch.cuda.get_device_properties(device).total_memory / 2**30
     return psutil.virtual_memory().total / 2**30
 
 
-def measure_tflops(n: int = 512, seconds: float = 0.3) -> float:
-    """Dense matmul throughput: 2 n^3 FLOPs per product, timed over ~`seconds` (fp32 on CPU, bf16 on GPU)."""
-    dev = "cuda" if torch.cuda.is_available() else "cpu"
-    dtype = torch.bfloat16 if dev == "cuda" else torch.float32
-    if dev == "cuda":
+def measure_tflops(device: torch.device, dtype: torch.dtype, n: int = 512, seconds: float = 0.3) -> float:
+    """Dense matmul throughput of `dtype` on `device`: 2 n^3 FLOPs per product, timed over ~`seconds`
+    (n >= 4096 on a GPU, whose small products are launch-bound)."""
+    if device.type == "cuda":
         n = max(n, 4096)
-    a = torch.randn(n, n, device=dev, dtype=dtype)
-    b = torch.randn(n, n, device=dev, dtype=dtype)
+    a = torch.randn(n, n, device=device, dtype=dtype)
+    b = torch.randn(n, n, device=device, dtype=dtype)
     a @ b  # warm-up
+    synchronize(device)
     iters, start = 0, time.perf_counter()
     while time.perf_counter() - start < seconds:
         a @ b
         iters += 1
-    if dev == "cuda":
-        torch.cuda.synchronize()
+        if device.type == "cuda" and iters % 8 == 0:
+            synchronize(device)  # the clock must time work done, not work queued
+    synchronize(device)
     return 2 * n**3 * iters / (time.perf_counter() - start) / 1e12
 
 

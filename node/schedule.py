@@ -20,6 +20,7 @@ tensor and, forward, the token ids, so the last stage has its targets and T[x] c
 from __future__ import annotations
 
 import time
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Protocol
 
@@ -34,8 +35,12 @@ class BoundaryCodec(Protocol):
     """How a stage boundary encodes activations (forward) and activation-gradients (backward)."""
 
     def pack_fwd(self, kind: str, step: int, mb: int, h: torch.Tensor, tokens: torch.Tensor) -> bytes: ...
+    def pack_fwd_async(
+        self, kind: str, step: int, mb: int, h: torch.Tensor, tokens: torch.Tensor
+    ) -> Callable[[], bytes]: ...
     def unpack_fwd(self, data: bytes) -> tuple[str, int, int, torch.Tensor, torch.Tensor]: ...
     def pack_bwd(self, step: int, mb: int, g: torch.Tensor) -> bytes: ...
+    def pack_bwd_async(self, step: int, mb: int, g: torch.Tensor) -> Callable[[], bytes]: ...
     def unpack_bwd(self, data: bytes) -> tuple[int, int, torch.Tensor]: ...
 
 
@@ -75,9 +80,11 @@ class PipelineStage:
         codec_out: BoundaryCodec | None,
         recv_timeout_s: float,
         extra_in_flight: int = 0,
+        device: torch.device | None = None,
     ) -> None:
         """extra_in_flight: forwards a non-last stage runs ahead beyond plain 1F1B's S - s - 1, to hide
-        link round trips (module docstring); 0 = plain 1F1B."""
+        link round trips (module docstring); 0 = plain 1F1B. device: where the stage computes (default:
+        its parameters'); received tensors are moved there, sent ones leave through pinned copies."""
         if extra_in_flight < 0:
             raise ValueError(f"extra_in_flight={extra_in_flight} must be >= 0 (0 = plain 1F1B)")
         self.module, self.stage, self.n_stages = module, stage, n_stages
@@ -86,6 +93,7 @@ class PipelineStage:
         self.codec_in, self.codec_out = codec_in, codec_out
         self.recv_timeout_s = recv_timeout_s
         self.first, self.last = stage == 0, stage == n_stages - 1
+        self.device = device or [p.device for p in module.parameters()][0]  # (`next` is a link here)
 
     # --- receive helpers (timed) ------------------------------------------------------------------
     def _recv_fwd(self, stats: StepStats, kind: str, step: int, mb: int) -> tuple[torch.Tensor, torch.Tensor]:
@@ -99,7 +107,7 @@ class PipelineStage:
                 f"stage {self.stage}: expected {kind} step {step} microbatch {mb} from upstream, "
                 f"got {got_kind} step {got_step} microbatch {got_mb}"
             )
-        return h, tokens
+        return h.to(self.device), tokens.to(self.device)
 
     def _recv_bwd(self, stats: StepStats, step: int, mb: int) -> torch.Tensor:
         assert self.next is not None and self.codec_out is not None
@@ -112,7 +120,7 @@ class PipelineStage:
                 f"stage {self.stage}: expected gradient of step {step} microbatch {mb}, got step {got_step} "
                 f"microbatch {got_mb}"
             )
-        return g
+        return g.to(self.device)
 
     # --- training ---------------------------------------------------------------------------------
     def train_step(self, step: int, tokens: torch.Tensor | None, M: int) -> StepStats:
@@ -120,10 +128,10 @@ class PipelineStage:
         tokens: (B, L+1) on the first stage, None elsewhere."""
         stats = StepStats()
         start = time.perf_counter()
-        mbs = list(tokens.chunk(M)) if tokens is not None else [None] * M
+        mbs = list(tokens.to(self.device).chunk(M)) if tokens is not None else [None] * M
         warmup = 0 if self.last else min(self.n_stages - self.stage - 1 + self.extra_in_flight, M)
         pending: list[_InFlight] = []
-        losses: list[float] = []
+        losses: list[torch.Tensor] = []  # summed once at the end: no host sync per microbatch
         for i in range(M):
             pending.append(self._forward(stats, step, i, mbs[i], M, losses))
             if i >= warmup:
@@ -131,12 +139,18 @@ class PipelineStage:
         while pending:
             self._backward(stats, step, pending.pop(0))
         if self.last:
-            stats.loss = sum(losses)
+            stats.loss = float(torch.stack(losses).sum())
         stats.compute_s = time.perf_counter() - start - stats.wait_s
         return stats
 
     def _forward(
-        self, stats: StepStats, step: int, mb: int, tokens: torch.Tensor | None, M: int, losses: list[float]
+        self,
+        stats: StepStats,
+        step: int,
+        mb: int,
+        tokens: torch.Tensor | None,
+        M: int,
+        losses: list[torch.Tensor],
     ) -> _InFlight:
         inp: torch.Tensor | None = None
         if self.first:
@@ -148,10 +162,10 @@ class PipelineStage:
         out = self.module(x)
         if self.last:
             loss = lm_loss(out, tokens) / M  # mean over microbatches
-            losses.append(float(loss.detach()))
+            losses.append(loss.detach())
             return _InFlight(mb, inp, loss)
         assert self.next is not None and self.codec_out is not None
-        self.next.send(self.codec_out.pack_fwd("train", step, mb, out.detach(), tokens))
+        self.next.send(self.codec_out.pack_fwd_async("train", step, mb, out.detach(), tokens))
         return _InFlight(mb, inp, out)
 
     def _backward(self, stats: StepStats, step: int, f: _InFlight) -> None:
@@ -163,7 +177,7 @@ class PipelineStage:
         if not self.first:
             assert f.inp is not None and f.inp.grad is not None and self.prev is not None
             assert self.codec_in is not None
-            self.prev.send(self.codec_in.pack_bwd(step, f.mb, f.inp.grad))
+            self.prev.send(self.codec_in.pack_bwd_async(step, f.mb, f.inp.grad))
 
     # --- evaluation -------------------------------------------------------------------------------
     @torch.no_grad()
@@ -174,7 +188,7 @@ class PipelineStage:
         for i in range(n_batches):
             if self.first:
                 assert batches is not None
-                tokens = batches[i]
+                tokens = batches[i].to(self.device)
                 x: torch.Tensor = tokens[:, :-1]
             else:
                 x, tokens = self._recv_fwd(stats, "eval", step, i)
@@ -183,5 +197,5 @@ class PipelineStage:
                 total += float(lm_loss(out, tokens))
             else:
                 assert self.next is not None and self.codec_out is not None
-                self.next.send(self.codec_out.pack_fwd("eval", step, i, out, tokens))
+                self.next.send(self.codec_out.pack_fwd_async("eval", step, i, out, tokens))
         return total / n_batches if self.last else None

@@ -25,7 +25,7 @@ import torch
 
 from node.aggregation import AggregationConfig, aggregate
 from node.dense_sync import DenseCodec
-from node.outer_sync import Aggregator, FragmentCodec, FragmentId
+from node.outer_sync import Aggregator, Encoding, FragmentCodec, FragmentId
 from protocol.identity import Identity, SignatureError, public_key_of_peer_id
 from protocol.runspec import RunSpec
 from protocol.sparseloco import SparseLoCoConfig, decompress, error_feedback_step
@@ -37,21 +37,44 @@ log = logging.getLogger(__name__)
 class SparseLoCoCodec(FragmentCodec):
     """Error feedback + chunked top-k + 2-bit values, signed by this node; one buffer e per fragment.
 
+    Two paths compute the same fragment format (DESIGN section 9): on a GPU, error feedback, top-k and
+    quantization run where the tensors are (`protocol.sparseloco_device`) and only kept indices and codes
+    cross to the host; on the CPU the numpy reference (`protocol.sparseloco`) does. Either way the
+    Golomb coding of the indices, the signature and the decoded contribution are made by the returned
+    `Encoding` on OuterSync's I/O thread, while training goes on.
+
     encode runs on the training thread (it owns the buffers); decode only reads settings, so the I/O
     thread may call it concurrently.
     """
 
-    def __init__(self, identity: Identity, cfg: SparseLoCoConfig = SparseLoCoConfig()) -> None:  # noqa: B008
-        self.identity, self.cfg = identity, cfg
+    def __init__(
+        self,
+        identity: Identity,
+        cfg: SparseLoCoConfig = SparseLoCoConfig(),  # noqa: B008
+        *,
+        device_path: bool | None = None,
+    ) -> None:
+        """device_path: True = the torch path wherever the tensors are, False = the numpy reference on the
+        host, None = the torch path for CUDA tensors and the reference for CPU ones."""
+        self.identity, self.cfg, self.device_path = identity, cfg, device_path
         self.e: dict[int, list[torch.Tensor]] = {}
-        """Error-feedback buffer of each fragment (float32, CPU), created at its first capture."""
+        """Error-feedback buffer of each fragment (float32, on the device the path runs on), created at
+        its first capture."""
 
-    def encode(self, fid: FragmentId, delta: list[torch.Tensor]) -> tuple[bytes, list[torch.Tensor]]:
-        """(signed wire bytes, decode(c)) of this round's Delta; updates the fragment's buffer e."""
+    def encode(self, fid: FragmentId, delta: list[torch.Tensor]) -> Encoding:
+        """Update the fragment's buffer e and compress (on delta's device or the host); the returned
+        `Encoding` gives (signed wire bytes, decode(c)) of this round's Delta."""
+        on_device = self.device_path if self.device_path is not None else bool(delta and delta[0].is_cuda)
+        where = delta[0].device if on_device and delta else torch.device("cpu")
         e = self.e.get(fid.fragment)
-        if e is None or [t.shape for t in e] != [d.shape for d in delta]:
-            e = [torch.zeros(d.shape, dtype=torch.float32) for d in delta]
-        cf, self.e[fid.fragment] = error_feedback_step(e, delta, self.cfg)
+        if e is None or [t.shape for t in e] != [d.shape for d in delta] or (e and e[0].device != where):
+            e = [torch.zeros(d.shape, dtype=torch.float32, device=where) for d in delta]
+        if on_device:
+            from protocol.sparseloco_device import error_feedback_step_device
+
+            cf, self.e[fid.fragment] = error_feedback_step_device(e, delta, self.cfg)  # e updated in place
+        else:
+            cf, self.e[fid.fragment] = error_feedback_step(e, delta, self.cfg)
         header = FragmentHeader.of(
             cf,
             run_id=fid.run_id,
@@ -60,12 +83,12 @@ class SparseLoCoCodec(FragmentCodec):
             round=fid.round,
             replica=fid.replica,
         )
-        return encode_fragment(self.identity, header, cf), decompress(cf)
+        return lambda: (encode_fragment(self.identity, header, cf), decompress(cf))
 
     def restore(self, fid: FragmentId, unsent: list[torch.Tensor]) -> None:
         """e_f += decode(c): a contribution nobody received is sent again in a later round."""
         for e, u in zip(self.e[fid.fragment], unsent, strict=True):
-            e.add_(u)
+            e.add_(u.to(e.device))
 
     def expected_header(self, fid: FragmentId, shapes: list[torch.Size]) -> FragmentHeader:
         """The exact header a valid fragment for `fid` with these tensor shapes carries."""

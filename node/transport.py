@@ -73,9 +73,12 @@ class Link:
         self._receiver.start()
 
     # --- public ---------------------------------------------------------------------------------
-    def send(self, payload: bytes, timeout_s: float | None = None) -> None:
-        """Queue a frame; blocks while the queue is full (backpressure)."""
-        if len(payload) > self.max_frame_bytes:
+    def send(self, payload: bytes | Callable[[], bytes], timeout_s: float | None = None) -> None:
+        """Queue a frame; blocks while the queue is full (backpressure).
+
+        payload may be a callable that returns the frame: the sender thread calls it, so a frame whose
+        bytes are still being copied off a GPU (protocol.subspace `encode_async`) does not block compute."""
+        if isinstance(payload, bytes) and len(payload) > self.max_frame_bytes:
             raise FrameError(f"frame of {len(payload)} bytes exceeds the {self.max_frame_bytes}-byte limit")
         deadline = None if timeout_s is None else time.monotonic() + timeout_s
         while True:
@@ -149,13 +152,15 @@ class Link:
             try:
                 if item is _CLOSE:
                     return
+                if callable(item):
+                    item = item()
                 assert isinstance(item, bytes)
                 tx = self.shaper.transmit_s(len(item) + 4)
                 if tx > 0:
                     free_at = max(free_at, time.monotonic()) + tx
                     time.sleep(max(0.0, free_at - time.monotonic()))
                 self.bytes_sent += send_frame(self.sock, item, self.max_frame_bytes)
-            except (OSError, FrameError) as e:
+            except (OSError, FrameError, ValueError) as e:  # ValueError: a deferred frame refused to encode
                 if not self._closed.is_set():
                     self._error = e
                     log.warning("link to %s: send failed: %s", self.name, e)

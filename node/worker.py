@@ -19,18 +19,19 @@ import torch
 
 from node.acceptor import Acceptor
 from node.data import Corpus
+from node.device import describe, resolve_precision
+from node.inner_step import inner_step, make_optimizer, prepare_stage
 from node.model import Stage, build_stage
 from node.outer_sync import OuterSync
 from node.schedule import PipelineStage
 from node.sparseloco_sync import make_sync_parts
-from node.subspace_model import boundary_codecs, constrain_stage, project_grads_, project_weights_
+from node.subspace_model import boundary_codecs, constrain_stage, project_weights_
 from node.transport import Link, Shaper, connect
 from protocol import keys
 from protocol.envelope import seal
 from protocol.framing import encode_frame
 from protocol.identity import Identity
 from protocol.messages import Assignment, Hello
-from protocol.runspec import RunSpec
 from protocol.store import ObjectStore
 
 log = logging.getLogger(__name__)
@@ -63,26 +64,22 @@ class WorkerMetrics:
     fragments_missing: int = 0
     fragments_not_uploaded: int = 0
     weights_sha256: str = ""
+    device: str = ""
+    """Where this assignment trains (e.g. "cuda:0 (NVIDIA H200, 139.8 GiB)" or "cpu")."""
+    precision: str = ""
+    """The run's train.precision as resolved on this node: "bf16" (autocast, fp32 master) or "fp32"."""
     error: str = ""
 
     def as_dict(self) -> dict:
         return asdict(self)
 
 
-def lr_at(step: int, spec: RunSpec) -> float:
-    """Linear warm-up, then cosine decay to 10% of the peak at the last step."""
-    t = spec.train
-    if step < t.warmup_steps:
-        return t.lr * (step + 1) / t.warmup_steps
-    progress = (step - t.warmup_steps) / max(1, t.total_steps - t.warmup_steps)
-    return t.lr * (0.1 + 0.45 * (1 + math.cos(math.pi * min(1.0, progress))))
-
-
 def weights_digest(module: torch.nn.Module) -> str:
+    """sha256 over the state dict's fp32 bytes in name order, wherever the tensors live."""
     h = hashlib.sha256()
     for name, p in sorted(module.state_dict().items()):
         h.update(name.encode())
-        h.update(p.detach().float().contiguous().numpy().tobytes())
+        h.update(p.detach().float().cpu().contiguous().numpy().tobytes())
     return h.hexdigest()
 
 
@@ -100,7 +97,12 @@ class StageWorker:
         metrics: WorkerMetrics,
         should_stop: Callable[[], str | None],
         connect_timeout_s: float = 120.0,
+        device: torch.device | None = None,
+        compile: bool = True,
     ) -> None:
+        """device: where the stage trains (default CPU); compile: torch.compile the stage on CUDA."""
+        self.device = device or torch.device("cpu")
+        self.compile = compile
         self.a = assignment
         self.spec = assignment.spec
         self.identity, self.store, self.acceptor = identity, store, acceptor
@@ -167,11 +169,11 @@ class StageWorker:
                     "cannot resume"
                 )
             time.sleep(0.5)
-        module.load_state_dict(torch.load(io.BytesIO(blob), weights_only=True))
+        module.load_state_dict(torch.load(io.BytesIO(blob), weights_only=True, map_location="cpu"))
 
     def _save_checkpoint(self, module: Stage, step: int) -> None:
         buf = io.BytesIO()
-        torch.save(module.state_dict(), buf)
+        torch.save({k: v.detach().cpu() for k, v in module.state_dict().items()}, buf)
         self.store.put(keys.ckpt_key(self.a.run_id, step, self.a.stage), buf.getvalue())
         self.store.put(keys.ckpt_latest_key(self.a.run_id, self.a.stage), str(step).encode())
 
@@ -196,10 +198,13 @@ class StageWorker:
         a, spec, m = self.a, self.spec, self.m
         torch.manual_seed(spec.model.init_seed)
         ranges = spec.layer_ranges()
+        # built, constrained and resumed on the CPU: every replica starts bit-identical whatever its device
         module = build_stage(spec.model, ranges, a.stage)
         # subspace links (DESIGN section 4): keep the residual stream in span(U) + T[x] so k-wide is exact
         constrain_stage(module, spec.model, spec.pipeline, ranges, a.stage)
+        precision = resolve_precision(spec.train.precision, self.device)
         m.state, m.total_steps = "training", spec.train.total_steps
+        m.device, m.precision = describe(self.device), precision
         try:
             start = self._open_links()
             if start > 0:
@@ -208,6 +213,8 @@ class StageWorker:
         except BaseException:
             self._close_links()
             raise
+        prepare_stage(module, self.device, precision, compile=self.compile)
+        log.info("run %s r%d/s%d trains on %s in %s", a.run_id, a.replica, a.stage, m.device, precision)
         codec_in, codec_out = boundary_codecs(module, spec.model, spec.pipeline, ranges, a.stage)
         first = a.stage == 0
         corpus = self.corpus_loader(spec.train.data, spec.train.val_fraction) if first else None
@@ -217,9 +224,7 @@ class StageWorker:
             else None
         )
         params = [p for p in module.parameters()]
-        opt = torch.optim.AdamW(
-            params, lr=spec.train.lr, betas=(0.9, 0.95), weight_decay=spec.train.weight_decay
-        )
+        opt = make_optimizer(module, spec.train)
         parts = make_sync_parts(spec, self.identity)
         sync = OuterSync(
             params,
@@ -249,6 +254,7 @@ class StageWorker:
             codec_out=codec_out,
             recv_timeout_s=spec.pipeline.recv_timeout_s,
             extra_in_flight=spec.pipeline.extra_in_flight,
+            device=self.device,
         )
         tokens_per_step = spec.train.batch_size * spec.model.seq_len
         result = "done"
@@ -261,9 +267,6 @@ class StageWorker:
                 if reason:
                     result = reason
                     break
-                for g in opt.param_groups:
-                    g["lr"] = lr_at(step, spec)
-                opt.zero_grad(set_to_none=True)
                 batch = (
                     corpus.train_batch(
                         spec.train.data_seed, a.replica, step, spec.train.batch_size, spec.model.seq_len
@@ -271,12 +274,13 @@ class StageWorker:
                     if corpus
                     else None
                 )
-                stats = pipe.train_step(step, batch, spec.train.microbatches)
-                project_grads_(module)
-                if spec.train.grad_clip > 0:
-                    torch.nn.utils.clip_grad_norm_(params, spec.train.grad_clip)
-                opt.step()
-                project_weights_(module)
+                stats = inner_step(
+                    module,
+                    opt,
+                    spec.train,
+                    step,
+                    lambda: pipe.train_step(step, batch, spec.train.microbatches),  # noqa: B023
+                )
                 sync.after_inner_step(step + 1)
                 project_weights_(module)  # an outer update (sparse, quantized) leaves span(U)
                 m.step, m.compute_s, m.pipe_wait_s = (

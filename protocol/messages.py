@@ -30,7 +30,12 @@ class NodeAdvert:
     """Accelerator name, e.g. "cuda:NVIDIA A100-SXM4-80GB" or "cpu"."""
     memory_gb: float
     tflops: float
-    """Measured dense matmul TFLOP/s at the training dtype."""
+    """Measured dense matmul TFLOP/s at the dtype this node trains in by default (bf16 on CUDA, fp32 on
+    a CPU): what placement ranks by."""
+    tflops_fp32: float = 0.0
+    """Measured dense fp32 matmul TFLOP/s (0 = not measured)."""
+    tflops_bf16: float = 0.0
+    """Measured dense bf16 matmul TFLOP/s (0 = not measured)."""
     price_per_hour: float
     """What the provider charges, USD per hour."""
     host: str

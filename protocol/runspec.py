@@ -81,6 +81,10 @@ class TrainSpec:
     """Held-out tail of the corpus for validation bits-per-byte."""
     eval_batches: int = 4
     """Validation batches of batch_size sequences per evaluation."""
+    precision: Literal["auto", "fp32", "bf16"] = "auto"
+    """Inner-step arithmetic, resolved by each node: "bf16" = bf16 autocast over fp32 master weights and
+    fp32 AdamW state; "fp32" = plain float32; "auto" = bf16 on a CUDA device, fp32 on a CPU. The outer
+    sync (anchor, error feedback, aggregation) is fp32/float64 whatever this says."""
 
     def __post_init__(self) -> None:
         if self.total_steps <= 0 or self.batch_size <= 0 or self.microbatches <= 0:
@@ -91,6 +95,8 @@ class TrainSpec:
             )
         if not 0 < self.val_fraction < 0.5:
             raise ValueError(f"train.val_fraction must be in (0, 0.5), got {self.val_fraction}")
+        if self.precision not in ("auto", "fp32", "bf16"):
+            raise ValueError(f"train.precision={self.precision!r} must be 'auto', 'fp32' or 'bf16'")
 
 
 @dataclass(kw_only=True, frozen=True)

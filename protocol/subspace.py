@@ -37,6 +37,7 @@ from __future__ import annotations
 import struct
 import sys
 import zlib
+from collections.abc import Callable
 from dataclasses import dataclass
 from enum import IntEnum
 from typing import Literal
@@ -293,6 +294,44 @@ class ActivationCodec:
             ) from e
         return b"".join((header, Zw.view(torch.uint8).numpy().tobytes(), token_bytes))
 
+    def encode_async(
+        self,
+        kind: Kind,
+        *,
+        microbatch: int,
+        step: int,
+        Z: torch.Tensor,
+        tokens: torch.Tensor | None = None,
+    ) -> Callable[[], bytes]:
+        """`encode`, with the device-to-host copy started now and the bytes made by whoever calls the
+        result (a link's sender thread). On CUDA, Z is cast to the wire dtype on the device and copied,
+        with the token ids, into pinned host memory on a side stream that waits for the compute stream:
+        training goes on while the copy runs. Elsewhere the message is encoded at once."""
+        if Z.device.type != "cuda":
+            data = self.encode(kind, microbatch=microbatch, step=step, Z=Z, tokens=tokens)
+            return lambda: data
+        dev = Z.device
+        Zw = Z.detach().to(_TORCH_DTYPES[self.wire_dtype])  # (b, L, k) on the device, wire dtype
+        side = _copy_stream(dev)
+        side.wait_stream(torch.cuda.current_stream(dev))
+        with torch.cuda.stream(side):
+            Z_host = torch.empty(Zw.shape, dtype=Zw.dtype, pin_memory=True)
+            Z_host.copy_(Zw, non_blocking=True)
+            t_host = None
+            if tokens is not None:
+                t_host = torch.empty(tokens.shape, dtype=tokens.dtype, pin_memory=True)
+                t_host.copy_(tokens.detach(), non_blocking=True)
+                tokens.record_stream(side)
+            copied = torch.cuda.Event()
+            copied.record(side)
+        Zw.record_stream(side)  # the caching allocator must not reuse Zw before the copy ran
+
+        def finish() -> bytes:
+            copied.synchronize()
+            return self.encode(kind, microbatch=microbatch, step=step, Z=Z_host, tokens=t_host)
+
+        return finish
+
     def decode(
         self,
         data: bytes | bytearray | memoryview,
@@ -375,6 +414,16 @@ class ActivationCodec:
         return ActivationMessage(header, Z, tokens)
 
 
+_COPY_STREAMS: dict[torch.device, torch.cuda.Stream] = {}
+
+
+def _copy_stream(device: torch.device) -> torch.cuda.Stream:
+    """One side stream per GPU for device-to-host copies of outgoing messages."""
+    if device not in _COPY_STREAMS:
+        _COPY_STREAMS[device] = torch.cuda.Stream(device)
+    return _COPY_STREAMS[device]
+
+
 # --- one boundary, as the stage runtime uses it ------------------------------------------------------
 
 _KIND_OF = {"train": Kind.FORWARD, "eval": Kind.EVAL}
@@ -411,6 +460,14 @@ class SubspaceBoundary:
             Z = compress_activation(h.detach(), tokens, self.U, self.T)  # (b, L, k)
         return self.codec.encode(_KIND_OF[kind], microbatch=mb, step=step, Z=Z, tokens=tokens)
 
+    def pack_fwd_async(
+        self, kind: str, step: int, mb: int, h: torch.Tensor, tokens: torch.Tensor
+    ) -> Callable[[], bytes]:
+        """`pack_fwd` whose device-to-host copy overlaps compute (`ActivationCodec.encode_async`)."""
+        with torch.no_grad():
+            Z = compress_activation(h.detach(), tokens, self.U, self.T)  # (b, L, k)
+        return self.codec.encode_async(_KIND_OF[kind], microbatch=mb, step=step, Z=Z, tokens=tokens)
+
     def unpack_fwd(self, data: bytes) -> tuple[str, int, int, torch.Tensor, torch.Tensor]:
         """-> (kind, step, microbatch, X_hat (b, L, d) float32 without grad history, tokens (b, L+1))."""
         msg = self.codec.decode(data, kinds=(Kind.FORWARD, Kind.EVAL))
@@ -425,6 +482,12 @@ class SubspaceBoundary:
         with torch.no_grad():
             G_Z = compress_gradient(g, self.U)  # (b, L, k)
         return self.codec.encode(Kind.BACKWARD, microbatch=mb, step=step, Z=G_Z)
+
+    def pack_bwd_async(self, step: int, mb: int, g: torch.Tensor) -> Callable[[], bytes]:
+        """`pack_bwd` whose device-to-host copy overlaps compute (`ActivationCodec.encode_async`)."""
+        with torch.no_grad():
+            G_Z = compress_gradient(g, self.U)  # (b, L, k)
+        return self.codec.encode_async(Kind.BACKWARD, microbatch=mb, step=step, Z=G_Z)
 
     def unpack_bwd(self, data: bytes) -> tuple[int, int, torch.Tensor]:
         """-> (step, microbatch, G_X = G_Z U^T (b, L, d)) for the sender's X.backward(G_X)."""

@@ -113,6 +113,13 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
         "(default: 32 on every link, k/d = 1/8; example: --link-k 256 for dense)",
     )
     ap.add_argument(
+        "--device",
+        default="auto",
+        metavar="auto|cuda|cuda:N|cpu",
+        help="where the nodes train (default auto: a CUDA GPU where there is one, the nodes spread over "
+        "the host's GPUs, else the CPU)",
+    )
+    ap.add_argument(
         "--no-calibrate",
         action="store_true",
         help="skip the planner's calibration and prediction before launch (saves ~20 s)",
@@ -163,7 +170,10 @@ def _fmt_bytes(n: float) -> str:
 class Swarm:
     """Starts and stops the processes of a local swarm; usable from tests too."""
 
-    def __init__(self, out: Path, n_nodes: int, *, node_env: dict[str, str] | None = None) -> None:
+    def __init__(
+        self, out: Path, n_nodes: int, *, node_env: dict[str, str] | None = None, device: str = "auto"
+    ) -> None:
+        self.device = device
         self.out = out
         self.out.mkdir(parents=True, exist_ok=True)
         self.children: list[Child] = []
@@ -211,6 +221,8 @@ class Swarm:
                 str(self.out / f"node{i}.key"),
                 "--torch-threads",
                 "1",
+                "--device",
+                self.device,
                 "--price-per-hour",
                 f"{NODE_PRICE_PER_HOUR:.2f}",
             ],
@@ -484,7 +496,7 @@ def main(argv: list[str] | None = None) -> int:
         )
     n = replicas * stages
     print(f"crucible-swarm: run {run_id}: {replicas} replicas x {stages} stages; logs in {out}/", flush=True)
-    swarm = Swarm(out, n)
+    swarm = Swarm(out, n, device=args.device)
     signal.signal(signal.SIGTERM, _raise_interrupt)  # a killed swarm still stops every child it started
     t0 = time.monotonic()
     ok = False

@@ -182,9 +182,9 @@ def plan(args: argparse.Namespace) -> PlanResult:
         compression_ratio=args.compression_ratio,
     )
     hosts = _pool(args).expand(args.usd_per_gpu_hour)
-    S = args.stages or auto_stages(shape, hosts)
+    S = args.stages or auto_stages(shape, hosts, settings)
     R = args.replicas or len(hosts) // S
-    pred = predict(shape, naive_layout(shape, hosts, R, S), settings)
+    pred = predict(shape, naive_layout(shape, hosts, R, S, settings), settings)
     ref = None
     if args.reference_usd_per_hour is not None:
         ref = ReferenceCluster.from_instance(

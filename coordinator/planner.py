@@ -37,14 +37,14 @@ from pathlib import Path
 from typing import Literal
 
 from coordinator.accelerators import get_accelerator, peak_tflops
+from protocol import memory
 from protocol.runspec import ModelSpec
 from protocol.schema import SchemaError, from_dict
 
 ATTENTION_COEF_FLASH = 14.0
 ATTENTION_COEF_PALM = 12.0
-BYTES_PER_PARAM_STATE = 24
-"""Per parameter held by a stage: bf16 weight + grad (4), fp32 master + 2 Adam moments (12), and the
-SparseLoCo fp32 anchor + error feedback (8). Activations are not counted: a warning, not a limit."""
+MEMORY_HEADROOM = 0.9
+"""Share of a host's memory a stage may plan to use (as protocol.memory.fits)."""
 
 
 @dataclass(kw_only=True, frozen=True)
@@ -277,6 +277,24 @@ class RunSettings:
     header_bytes: int = 256
     """Per message framing, signature and shape header."""
 
+    def state_bytes_per_param(self) -> float:
+        """Bytes per parameter a stage must hold, from protocol/memory.py's table: bf16 autocast (fp32
+        weights, grads, AdamW; one bf16 copy), SparseLoCo anchor and error feedback, captured theta of the
+        fragments pending under tau. 27 at the defaults (tau = 2 of H = 30, P = 4: a quarter pending).
+        A limit on layers per stage; activations come on top (`predict` warns about them)."""
+        return memory.bytes_per_param("bf16", method="sparseloco", captured_share=self.captured_share())
+
+    def captured_share(self) -> float:
+        """Share of a stage's parameters held as captured theta (protocol.memory.captured_share)."""
+        return memory.captured_share(self.H, self.fragments, self.tau)
+
+    def in_flight(self, S: int, s: int) -> int:
+        """Microbatch graphs alive at once on stage s of S: the schedule's warm-up forwards + 1 (1F1B,
+        `warmup_forwards`), or all M (GPipe)."""
+        if self.schedule == "gpipe":
+            return self.microbatches
+        return min(warmup_forwards(S, s, self.extra_in_flight) + 1, self.microbatches)
+
     def __post_init__(self) -> None:
         if min(self.microbatches, self.microbatch_size, self.H, self.fragments, self.bytes_per_value) < 1:
             raise ValueError("microbatches, microbatch_size, H, fragments and bytes_per_value must be >= 1")
@@ -378,13 +396,18 @@ def stage_work(
 
 
 def balance_layers(
-    shape: ModelShape, stage_tflops: list[float], stage_memory_gb: list[float] | None = None
+    shape: ModelShape,
+    stage_tflops: list[float],
+    stage_memory_gb: list[float] | None = None,
+    *,
+    state_bytes_per_param: float | None = None,
 ) -> tuple[int, ...]:
     """Layers per stage minimising the slowest stage's time, given each stage's (slowest) peak.
 
     Greedy: every stage starts with one layer, each further layer goes to the stage that would be
-    fastest after taking it, among the stages whose state (BYTES_PER_PARAM_STATE per parameter) still
-    fits 90% of `stage_memory_gb` (0 or None: unlimited). Optimal for min-max over increasing costs.
+    fastest after taking it, among the stages whose state (`state_bytes_per_param` per parameter; None:
+    `RunSettings().state_bytes_per_param()`, 27) still fits 90% of `stage_memory_gb` (0 or None:
+    unlimited). Optimal for min-max over increasing costs.
     """
     S = len(stage_tflops)
     if not 1 <= S <= shape.n_layers:
@@ -392,11 +415,14 @@ def balance_layers(
     per_layer = 6.0 * shape.layer_params + ATTENTION_COEF_FLASH * shape.d_model * shape.seq_len
     head = 6.0 * shape.head_params
     mem = stage_memory_gb or [0.0] * S
+    per_param = (
+        RunSettings().state_bytes_per_param() if state_bytes_per_param is None else state_bytes_per_param
+    )
     layers = [1] * S
 
     def fits(s: int, n: int) -> bool:
         trial = tuple(n if i == s else layers[i] for i in range(S))
-        return not mem[s] or stage_params(shape, trial)[s] * BYTES_PER_PARAM_STATE <= 0.9 * mem[s] * 1e9
+        return not mem[s] or stage_params(shape, trial)[s] * per_param <= MEMORY_HEADROOM * mem[s] * memory.GB
 
     if not all(fits(s, 1) for s in range(S)):
         raise ValueError(f"one layer per stage does not fit the memory of {S} stages; use more stages")
@@ -421,12 +447,45 @@ def stage_params(shape: ModelShape, layers: tuple[int, ...]) -> list[int]:
     return out
 
 
-def naive_layout(shape: ModelShape, hosts: list[Host], replicas: int, stages: int) -> Layout:
+def stage_memory_bytes(shape: ModelShape, layers: tuple[int, ...], settings: RunSettings) -> list[int]:
+    """Peak memory of each stage as a node trains it (protocol/memory.py): bf16 state with one bf16
+    weight copy per microbatch in flight, plus activations without recomputation. Grouped-query
+    attention is counted as full attention (an upper bound)."""
+    S, tokens = len(layers), settings.microbatch_size * shape.seq_len
+    per_param = memory.bytes_per_param(
+        "bf16", method="sparseloco", captured_share=settings.captured_share(), graphs=0
+    )
+    out = []
+    for s, n_params in enumerate(stage_params(shape, layers)):
+        alive = settings.in_flight(S, s)
+        matmul = layers[s] * (shape.layer_params - 2 * shape.d_model) + (
+            shape.head_params - shape.d_model if s == S - 1 else 0
+        )
+        act = memory.activation_bytes(
+            layers=layers[s],
+            tokens=tokens,
+            d_model=shape.d_model,
+            d_ff=shape.d_ff,
+            vocab=shape.vocab,
+            alive=alive,
+            last=s == S - 1,
+            precision="bf16",
+        )
+        out.append(
+            round(n_params * per_param) + memory.BYTES_PER_PARAM["autocast_copy"] * alive * matmul + act
+        )
+    return out
+
+
+def naive_layout(
+    shape: ModelShape, hosts: list[Host], replicas: int, stages: int, settings: RunSettings | None = None
+) -> Layout:
     """A simple placement for the CLI: fastest hosts first, stage s of every replica on similar hosts.
 
     Hosts are sorted by peak (then price); the first R x S are used, stage s gets the s-th group of R
-    so the shared layer split (`balance_layers` on each stage's slowest host) wastes little. Real
-    placement also weighs bandwidth; this only needs to be reasonable.
+    so the shared layer split (`balance_layers` on each stage's slowest host, with the state bytes of
+    `settings`, default RunSettings()) wastes little. Real placement also weighs bandwidth; this only
+    needs to be reasonable.
     """
     if replicas < 1 or stages < 1:
         raise ValueError(f"replicas and stages must be >= 1 (got {replicas} x {stages})")
@@ -437,18 +496,21 @@ def naive_layout(shape: ModelShape, hosts: list[Host], replicas: int, stages: in
     ranked = sorted(hosts, key=lambda h: (-h.peak_tflops, h.usd_per_hour / h.gpus))[: replicas * stages]
     groups = [ranked[s * replicas : (s + 1) * replicas] for s in range(stages)]
     layers = balance_layers(
-        shape, [min(h.peak_tflops for h in g) for g in groups], [min(h.memory_gb for h in g) for g in groups]
+        shape,
+        [min(h.peak_tflops for h in g) for g in groups],
+        [min(h.memory_gb for h in g) for g in groups],
+        state_bytes_per_param=(settings or RunSettings()).state_bytes_per_param(),
     )
     return Layout(
         replicas=tuple(tuple(groups[s][r] for s in range(stages)) for r in range(replicas)), layers=layers
     )
 
 
-def auto_stages(shape: ModelShape, hosts: list[Host]) -> int:
+def auto_stages(shape: ModelShape, hosts: list[Host], settings: RunSettings | None = None) -> int:
     """Fewest stages S for which `naive_layout` with R = hosts // S fits every stage's memory."""
     for S in range(1, min(shape.n_layers, len(hosts)) + 1):
         try:
-            naive_layout(shape, hosts, len(hosts) // S, S)
+            naive_layout(shape, hosts, len(hosts) // S, S, settings)
             return S
         except ValueError:
             continue
@@ -744,15 +806,30 @@ def predict(shape: ModelShape, layout: Layout, settings: RunSettings) -> Predict
 
     warnings = []
     params = stage_params(shape, layout.layers)
+    state = settings.state_bytes_per_param()
     over = [
         h.name
         for rep in layout.replicas
         for s, h in enumerate(rep)
-        if params[s] * BYTES_PER_PARAM_STATE > 0.9e9 * h.memory_gb > 0
+        if params[s] * state > MEMORY_HEADROOM * memory.GB * h.memory_gb > 0
     ]
     if over:
         warnings.append(
             f"stage state exceeds 90% of memory on {len(over)} host(s), e.g. {over[0]}: use more stages"
+        )
+    need = stage_memory_bytes(shape, layout.layers, settings)
+    full = [
+        (h, s)
+        for rep in layout.replicas
+        for s, h in enumerate(rep)
+        if h.name not in over and need[s] > MEMORY_HEADROOM * memory.GB * h.memory_gb > 0
+    ]
+    if full:
+        h, s = full[0]
+        warnings.append(
+            f"with activations (no recomputation, {settings.in_flight(S, s)} microbatches in flight) stage "
+            f"memory exceeds 90% on {len(full)} host(s), e.g. {h.name}: stage {s} needs {need[s] / memory.GB:.1f} "
+            f"of {h.memory_gb:.0f} GB; lower microbatch_size or extra_in_flight, or use more stages"
         )
     slow = [ln for ln in links if not ln.hidden]
     if slow:

@@ -13,7 +13,7 @@ from dataclasses import dataclass, field, replace
 import msgpack
 
 from coordinator.lease import HeldLease, renew, try_acquire
-from coordinator.placement import Placement, PlacementError, place, repair
+from coordinator.placement import Placement, PlacementError, place, repair, stage_needs
 from protocol import keys
 from protocol.dht_client import DHTClient, dht_time
 from protocol.envelope import open_envelope, seal
@@ -136,7 +136,7 @@ class Coordinator:
             a for a in adverts.values() if a.peer_id not in busy and a.state in ("idle", "done", "failed")
         ]
         try:
-            run.placement = place(free, spec.replicas, spec.stages)
+            run.placement = place(free, spec.replicas, spec.stages, need_bytes=stage_needs(spec))
         except PlacementError as e:
             if time.monotonic() - run.started > 10:
                 log.info("run %s waiting for nodes: %s", spec.run_id, e)
@@ -255,7 +255,7 @@ class Coordinator:
         ]
         alive = {p for p in pl.slots.values() if p not in gone}
         try:
-            new_pl, holes = repair(pl, alive, free)
+            new_pl, holes = repair(pl, alive, free, need_bytes=stage_needs(run.record.spec))
         except PlacementError as e:
             log.info("run %s: cannot rebuild replicas %s yet: %s", run.record.spec.run_id, sorted(broken), e)
             return False

@@ -26,6 +26,7 @@ from node.worker import StageWorker, WorkerMetrics
 from protocol import keys
 from protocol.dht_client import DHTClient, dht_time
 from protocol.identity import Identity, public_key_of_peer_id
+from protocol.memory import GB, fits, stage_memory
 from protocol.messages import Assignment, NodeAdvert, RunRecord
 from protocol.schema import ProtocolError
 from protocol.store import ObjectStore, StoreConfig, StoreError
@@ -93,6 +94,14 @@ def _corpus(source: str, val_fraction: float) -> Corpus:
     return Corpus.load(source, val_fraction)
 
 
+def memory_refusal(a: Assignment, device: torch.device, free_bytes: int) -> str | None:
+    """Why a node with `free_bytes` free on `device` cannot hold the assigned stage, or None: the stage's
+    memory (protocol/memory.py) estimated from the spec in the precision this node resolves, before
+    anything is allocated."""
+    precision = resolve_precision(a.spec.train.precision, device)
+    return fits(stage_memory(a.spec, a.stage, precision), free_bytes)
+
+
 def _same_slot(a: Assignment, b: Assignment) -> bool:
     """Same run, replica, stage, neighbours and spec: a worker can keep running across the two."""
     return (a.run_id, a.replica, a.stage, a.prev, a.next, a.spec) == (
@@ -158,6 +167,7 @@ class NodeDaemon:
             port=self.acceptor.port,
             health_port=self.health.port,
             store_mbps=round(self.store_mbps, 1),
+            free_memory_gb=round(self._free_bytes() / GB, 2),
             state=m.state,  # type: ignore[arg-type]
             run_id=m.run_id,
             replica=m.replica,
@@ -262,7 +272,22 @@ class NodeDaemon:
         ]
         return max(recs, key=lambda r: r.updated).state if recs else None
 
+    def _free_bytes(self) -> int:
+        """Memory a new stage could use now (the caching allocator's idle blocks count as free)."""
+        if self.device.type == "cuda" and not (self._worker_thread and self._worker_thread.is_alive()):
+            torch.cuda.empty_cache()
+        return free_memory_bytes(self.device)
+
     def _start_worker(self, a: Assignment) -> None:
+        reason = memory_refusal(a, self.device, self._free_bytes())
+        if reason is not None:
+            self.assignment = a  # answered: not reconsidered at every poll
+            self.metrics = WorkerMetrics(
+                state="failed", run_id=a.run_id, replica=a.replica, stage=a.stage, error=reason
+            )
+            self._advert_wake.set()
+            log.error("refusing run %s replica %d stage %d: %s", a.run_id, a.replica, a.stage, reason)
+            return
         self.assignment = a
         self._stop_reason = None
         self.metrics = WorkerMetrics(state="assigned", run_id=a.run_id, replica=a.replica, stage=a.stage)

@@ -19,13 +19,14 @@ import fcntl
 import logging
 import os
 from pathlib import Path
-from typing import IO, Literal
+from typing import IO
 
 import torch
 
+from protocol.memory import Precision, precision_for_device
+
 log = logging.getLogger(__name__)
 
-Precision = Literal["fp32", "bf16"]
 DEFAULT_CLAIM_DIR = Path("~/.crucible/gpu-claims")
 
 
@@ -110,12 +111,12 @@ def resolve_device(
 
 
 def resolve_precision(requested: str, device: torch.device) -> Precision:
-    """`auto|fp32|bf16` -> what this node computes in: auto = bf16 autocast on CUDA, fp32 on the CPU."""
-    if requested == "auto":
-        return "bf16" if device.type == "cuda" else "fp32"
-    if requested in ("fp32", "bf16"):
-        return requested  # type: ignore[return-value]
-    raise DeviceError(f"precision {requested!r} is not one of auto, fp32, bf16")
+    """`auto|fp32|bf16` -> what this node computes in: auto = bf16 autocast on CUDA, fp32 on the CPU
+    (`protocol.memory.precision_for_device`, the rule the coordinator's memory estimate uses too)."""
+    try:
+        return precision_for_device(device.type, requested)
+    except ValueError as e:
+        raise DeviceError(str(e)) from e
 
 
 def autocast(device: torch.device, precision: Precision) -> contextlib.AbstractContextManager[None]:

@@ -132,12 +132,16 @@ class PipelineStage:
         warmup = 0 if self.last else min(self.n_stages - self.stage - 1 + self.extra_in_flight, M)
         pending: list[_InFlight] = []
         losses: list[torch.Tensor] = []  # summed once at the end: no host sync per microbatch
-        for i in range(M):
-            pending.append(self._forward(stats, step, i, mbs[i], M, losses))
-            if i >= warmup:
+        # one autocast region for the whole step: its cache makes one bf16 copy of each weight per step,
+        # shared by the microbatches in flight (the stage's own region, per forward, would keep one each)
+        bf16 = bool(getattr(self.module, "autocast_bf16", False))
+        with torch.autocast(self.device.type, dtype=torch.bfloat16, enabled=bf16):
+            for i in range(M):
+                pending.append(self._forward(stats, step, i, mbs[i], M, losses))
+                if i >= warmup:
+                    self._backward(stats, step, pending.pop(0))
+            while pending:
                 self._backward(stats, step, pending.pop(0))
-        while pending:
-            self._backward(stats, step, pending.pop(0))
         if self.last:
             stats.loss = float(torch.stack(losses).sum())
         stats.compute_s = time.perf_counter() - start - stats.wait_s

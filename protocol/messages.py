@@ -29,6 +29,10 @@ class NodeAdvert:
     device: str
     """Accelerator name, e.g. "cuda:NVIDIA A100-SXM4-80GB" or "cpu"."""
     memory_gb: float
+    free_memory_gb: float = 0.0
+    """Free accelerator memory in GB (1e9 bytes) when the advert was made (CUDA: torch.cuda.mem_get_info;
+    CPU: available RAM); 0 = unknown. Placement keeps a node off a stage whose estimated memory
+    (protocol/memory.py) does not fit it."""
     tflops: float
     """Measured dense matmul TFLOP/s at the dtype this node trains in by default (bf16 on CUDA, fp32 on
     a CPU): what placement ranks by."""

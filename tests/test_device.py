@@ -123,3 +123,25 @@ def test_join_with_device_cuda_on_a_cpu_host_says_so() -> None:
     )  # fmt: skip
     assert p.returncode == 2, p.stderr
     assert "sees no CUDA device" in p.stderr and "Traceback" not in p.stderr
+
+
+def test_an_assignment_that_does_not_fit_is_refused_with_the_figures() -> None:
+    from node.daemon import memory_refusal
+    from node.device import free_memory_bytes
+    from protocol.messages import Assignment
+    from protocol.runspec import RunSpec
+
+    def assignment(model: ModelSpec) -> Assignment:
+        spec = RunSpec(run_id="mem", stages=2, model=model)
+        return Assignment(
+            run_id="mem", term=1, epoch=1, peer_id="p", replica=0, stage=1, layers=[1, 2], spec=spec
+        )
+
+    cpu = torch.device("cpu")
+    free = free_memory_bytes(cpu)
+    assert free > 0
+    assert memory_refusal(assignment(ModelSpec()), cpu, free) is None  # the local swarm's model fits
+    huge = ModelSpec(d_model=16384, n_heads=128, d_ff=53248, n_layers=64, seq_len=4096)  # 200B+ params
+    reason = memory_refusal(assignment(huge), cpu, free)
+    assert reason is not None and "stage 1 needs" in reason and "GB free" in reason
+    assert "more stages" in reason

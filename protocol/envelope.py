@@ -13,21 +13,19 @@ from typing import Any, Generic, TypeVar
 import msgpack
 
 from protocol.identity import Identity, SignatureError, peer_id_of, verify
-from protocol.schema import ProtocolError, SchemaError, from_dict, to_dict
+from protocol.schema import (  # the errors live in schema, so codecs need no cryptography
+    SchemaError,
+    UntrustedSigner,
+    VersionError,
+    from_dict,
+    to_dict,
+)
 
 PROTOCOL_VERSION = 1
 _DOMAIN = b"crucible/envelope/v1\x00"
 MAX_ENVELOPE_BYTES = 16 * 1024 * 1024
 
 T = TypeVar("T")
-
-
-class VersionError(ProtocolError):
-    """The sender speaks a protocol version this build does not."""
-
-
-class UntrustedSigner(ProtocolError):
-    """The envelope is validly signed, but by a key the receiver does not trust for this kind."""
 
 
 @dataclass(frozen=True)

@@ -22,6 +22,14 @@ class SchemaError(ProtocolError):
     """A message does not match its schema; the message names the field."""
 
 
+class VersionError(ProtocolError):
+    """The sender speaks a protocol version this build does not."""
+
+
+class UntrustedSigner(ProtocolError):
+    """The message is validly signed, but by a key the receiver does not trust for this kind."""
+
+
 def to_dict(obj: Any) -> Any:
     """A dataclass (recursively) as plain dicts/lists/scalars."""
     if dataclasses.is_dataclass(obj) and not isinstance(obj, type):

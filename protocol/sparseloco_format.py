@@ -28,15 +28,16 @@ import math
 import struct
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import msgpack
 import numpy as np
 
-from protocol.envelope import UntrustedSigner, VersionError
-from protocol.identity import Identity, SignatureError, peer_id_of, verify
-from protocol.schema import ProtocolError, SchemaError, from_dict, to_dict
+from protocol.schema import ProtocolError, SchemaError, UntrustedSigner, VersionError, from_dict, to_dict
 from protocol.sparseloco import CompressedFragment, Layout, Shape, SparseLoCoConfig, layout
+
+if TYPE_CHECKING:  # signing needs cryptography; pack/unpack and the Golomb coder do not
+    from protocol.identity import Identity
 
 MAGIC = b"CRSL"
 FORMAT_VERSION = 1
@@ -460,6 +461,8 @@ def decode_fragment(
         kind = "truncated" if end + _KEY + _SIG > n else "has trailing bytes"
         raise FragmentError(f"fragment {kind}: frame declares {end + _KEY + _SIG} bytes, got {n}")
     signer = bytes(buf[end : end + _KEY])
+    from protocol.identity import SignatureError, peer_id_of, verify  # lazy: cryptography only to verify
+
     try:
         verify(signer, _DOMAIN + bytes(buf[: end + _KEY]), bytes(buf[end + _KEY :]))
     except SignatureError as e:

@@ -1,6 +1,6 @@
 """SparseLoCo codec: compression ratio and encode/decode throughput, beside a naive baseline.
 
-  python -m scripts.bench_codec [--sizes 1M,16M,64M] [--repeats 3]
+  python -m scripts.bench_codec [--sizes 1M,16M,64M] [--repeats 3] [--device cpu|cuda]
 
 Each size is one Llama-style block of width d with a 4x MLP (q, k, v, o: d x d; gate, up: 4d x d;
 down: d x 4d; two RMSNorm vectors): d = 256, 1024, 2048 give 1M, 16M and 64M parameters in 2-D weights.
@@ -8,7 +8,10 @@ Values are Gaussian with log-normal row and column scales (tiles of different ma
 pseudo-gradients have). Encode = compress + sign + frame; decode = verify + parse + decompress to dense
 tensors. Throughput is GB/s of fp32 parameters on one core (torch and numpy limited to one thread), the
 median of `--repeats` warm runs. The baseline keeps the same top-k but sends 12-bit indices and one int8
-byte per value (per-tensor scale). A table goes to stderr and one JSON line, last, to stdout.
+byte per value (per-tensor scale). The device row times the same compression on `--device`
+(protocol/sparseloco_device.py: compress_device, and the in-place error-feedback step) against the numpy
+reference `compress`, both ending with the fragment's arrays on the host. A table goes to stderr and one
+JSON line, last, to stdout.
 """
 
 from __future__ import annotations
@@ -29,6 +32,7 @@ import torch  # noqa: E402
 
 from protocol.identity import Identity  # noqa: E402
 from protocol.sparseloco import SparseLoCoConfig, compress, decompress  # noqa: E402
+from protocol.sparseloco_device import compress_device, error_feedback_step_device  # noqa: E402
 from protocol.sparseloco_format import FragmentHeader, decode_fragment, encode_fragment  # noqa: E402
 
 WIDTHS = {"1M": 256, "16M": 1024, "64M": 2048}
@@ -115,7 +119,24 @@ def timed(fn, repeats: int):  # type: ignore[no-untyped-def]
     return first, cold, statistics.median(warm)
 
 
-def bench_size(name: str, repeats: int, ident: Identity, cfg: SparseLoCoConfig) -> dict:
+def bench_device(xs: list[torch.Tensor], cfg: SparseLoCoConfig, device: str, repeats: int) -> dict:
+    """Reference compress (host numpy) vs the torch path on `device`; GB/s of fp32 parameters."""
+    gb = 4 * sum(x.numel() for x in xs) / 1e9
+    dev = [x.to(device) for x in xs]
+    e = [torch.zeros_like(x) for x in dev]
+    sync = torch.cuda.synchronize if device.startswith("cuda") else lambda: None
+
+    def ef() -> None:
+        error_feedback_step_device(e, dev, cfg)
+        sync()  # the residual update queued after the fragment's arrays reached the host
+
+    _, _, ref_s = timed(lambda: compress(xs, cfg), repeats)
+    _, _, comp_s = timed(lambda: compress_device(dev, cfg), repeats)
+    _, _, ef_s = timed(ef, repeats)
+    return {"ref_compress_gbps": gb / ref_s, "device_compress_gbps": gb / comp_s, "device_ef_gbps": gb / ef_s}
+
+
+def bench_size(name: str, repeats: int, ident: Identity, cfg: SparseLoCoConfig, device: str) -> dict:
     shapes = block_shapes(WIDTHS[name])
     xs = make_tensors(shapes)
     params = sum(math.prod(s) for s in shapes)
@@ -158,6 +179,7 @@ def bench_size(name: str, repeats: int, ident: Identity, cfg: SparseLoCoConfig) 
         "baseline_ratio": 4 * params / base_wire,
         "baseline_encode_gbps": gb / base_enc_s,
         "baseline_decode_gbps": gb / base_dec_s,
+        **bench_device(xs, cfg, device, repeats),
     }
 
 
@@ -165,12 +187,13 @@ def main(argv: list[str] | None = None) -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--sizes", default="1M,16M,64M", help="comma-separated, from " + ",".join(WIDTHS))
     ap.add_argument("--repeats", type=int, default=3, help="warm runs per measurement (median is reported)")
+    ap.add_argument("--device", default="cpu", help="where the torch path runs (example: cuda:0)")
     args = ap.parse_args(argv)
     torch.set_num_threads(1)
     cfg = SparseLoCoConfig()
     ident = Identity.from_seed(bytes(32))
     sizes = [s for s in args.sizes.split(",") if s]
-    res = {s: bench_size(s, args.repeats, ident, cfg) for s in sizes}
+    res = {s: bench_size(s, args.repeats, ident, cfg, args.device) for s in sizes}
     print(
         f"SparseLoCo codec, chunk {cfg.chunk}, k {cfg.k}, {cfg.value_bits}-bit values, one core "
         f"(torch {torch.__version__}, numpy {np.__version__})",
@@ -185,6 +208,12 @@ def main(argv: list[str] | None = None) -> None:
             f"{r['kept_rel_err']:>8.3f} | {r['baseline_ratio']:>11.1f} {r['baseline_encode_gbps']:>9.2f} {r['baseline_decode_gbps']:>9.2f}",
             file=sys.stderr,
         )
+    for s, r in res.items():
+        print(
+            f"{s:>5} device {args.device}: compress reference {r['ref_compress_gbps']:.2f} GB/s, "
+            f"torch {r['device_compress_gbps']:.2f} GB/s, error-feedback step {r['device_ef_gbps']:.2f} GB/s",
+            file=sys.stderr,
+        )
     head = res.get("16M") or next(iter(res.values()))
     summary = {
         "headline_size": "16M" if "16M" in res else sizes[0],
@@ -193,6 +222,9 @@ def main(argv: list[str] | None = None) -> None:
         "decode_gbps": round(head["decode_gbps"], 3),
         "codec_gbps": round(head["codec_gbps"], 3),
         "baseline_ratio": round(head["baseline_ratio"], 2),
+        "device": args.device,
+        "device_compress_gbps": round(head["device_compress_gbps"], 3),
+        "ref_compress_gbps": round(head["ref_compress_gbps"], 3),
         "sizes": {
             s: {k: (round(v, 4) if isinstance(v, float) else v) for k, v in r.items()} for s, r in res.items()
         },

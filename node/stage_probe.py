@@ -8,8 +8,10 @@ weigh more), so, like Petals' throughput probe, this times the real thing: one i
                                  unpack_bwd (s < S-1) -> backward -> pack_bwd (s > 0)
     project_grads_ -> clip -> AdamW -> project_weights_
 
-with the run's own boundary codecs (dense or subspace, the run's wire dtype); the messages a
-neighbour would send are packed once, outside the timing.
+with the run's own boundary codecs (dense or subspace, the run's wire dtype), in the run's precision as
+a CPU node resolves it, through the worker's own inner step (`node/inner_step.py`: lr schedule,
+projections, `train.grad_clip`, AdamW with `train.weight_decay`); the messages a neighbour would send are
+packed once, outside the timing.
 
 `coordinator/calibrate.py` starts one probe per node process of a swarm (R x S of them, one torch
 thread each) to measure how they share the CPU. A probe speaks lines on stdin/stdout:
@@ -30,8 +32,10 @@ from dataclasses import dataclass
 
 import torch
 
+from node.device import resolve_precision
+from node.inner_step import inner_step, make_optimizer, prepare_stage
 from node.model import Stage, build_stage, lm_loss
-from node.subspace_model import boundary_codecs, constrain_stage, project_grads_, project_weights_
+from node.subspace_model import boundary_codecs, constrain_stage
 from protocol.runspec import RunSpec
 from protocol.schema import from_dict
 from protocol.subspace import SubspaceBoundary
@@ -53,6 +57,8 @@ class StageBench:
     """What stage s-1 would send (s > 0), per microbatch."""
     bwd_msgs: list[bytes]
     """What stage s+1 would send back (s < S-1), per microbatch."""
+    steps_done: int = 0
+    """Inner steps taken so far: the step index of the lr schedule."""
 
     @classmethod
     def build(cls, spec: RunSpec, stage: int, seed: int = 0) -> StageBench:
@@ -63,8 +69,10 @@ class StageBench:
         ranges = spec.layer_ranges()
         module = build_stage(ms, ranges, stage)
         constrain_stage(module, ms, spec.pipeline, ranges, stage)
+        cpu = torch.device("cpu")
+        prepare_stage(module, cpu, resolve_precision(spec.train.precision, cpu))
         codec_in, codec_out = boundary_codecs(module, ms, spec.pipeline, ranges, stage)
-        opt = torch.optim.AdamW(module.parameters(), lr=spec.train.lr, betas=(0.9, 0.95))
+        opt = make_optimizer(module, spec.train)
         g = torch.Generator().manual_seed(seed)
         tokens = [torch.randint(0, ms.vocab, (b, ms.seq_len + 1), generator=g) for _ in range(M)]
         h = [0.02 * torch.randn(b, ms.seq_len, ms.d_model, generator=g) for _ in range(M)]  # (b, L, d)
@@ -74,8 +82,12 @@ class StageBench:
 
     def step(self) -> None:
         """One inner step of this stage, as the worker computes it (module docstring)."""
+        inner_step(self.module, self.opt, self.spec.train, self.steps_done, self._forward_backward)
+        self.steps_done += 1
+
+    def _forward_backward(self) -> None:
+        """Forward and backward of the M microbatches; gradients accumulate in the module's .grad."""
         M = self.spec.train.microbatches
-        self.opt.zero_grad(set_to_none=True)
         for i in range(M):
             tokens = self.tokens[i]
             inp: torch.Tensor | None = None
@@ -96,11 +108,6 @@ class StageBench:
             if inp is not None and self.codec_in is not None:
                 assert inp.grad is not None
                 self.codec_in.pack_bwd(0, i, inp.grad)
-        project_grads_(self.module)
-        if self.spec.train.grad_clip > 0:
-            torch.nn.utils.clip_grad_norm_(list(self.module.parameters()), self.spec.train.grad_clip)
-        self.opt.step()
-        project_weights_(self.module)
 
     def time_steps(self, seconds: float) -> tuple[int, float, float, bool]:
         """Run steps until `seconds` have passed -> (steps, wall seconds per step, CPU seconds per

@@ -8,8 +8,9 @@ A 2-stage pipeline of the small Llama (d=256, 4 layers, 4 heads, d_ff=688, seq 2
 on stage 0, layers 2-3 + head on stage 1) trains with AdamW on standard-library byte batches. Stage 0 runs
 in this process, stage 1 in a child OS process; they talk over real TCP (node/transport.py `Link`), one
 message per microbatch per direction (protocol/subspace.py wire format). Each microbatch is b=8
-sequences of L=256 tokens; a step is M microbatches (batch M*b) and ends with an optimizer step on each
-stage (project_grads_ / project_weights_ on the constrained model). One torch thread per process.
+sequences of L=256 tokens; a step is M microbatches (batch M*b) inside the worker's own inner step
+(node/inner_step.py: the run's lr schedule with peak --lr over --steps, project_grads_, clipping to the
+run's train.grad_clip, AdamW, project_weights_), on each stage. One torch thread per process.
 
 Variants, each with its own model, optimizer and TCP connection:
   unshaped_dense   plain model, dense fp32 links (k = d), no shaping
@@ -66,12 +67,14 @@ from typing import Any
 import torch
 
 from node.data import Corpus
+from node.device import resolve_precision
+from node.inner_step import inner_step, make_optimizer, prepare_stage
 from node.model import Stage, build_stage
 from node.schedule import PipelineStage, StepStats
-from node.subspace_model import boundary_codecs, constrain_stage, project_grads_, project_weights_
+from node.subspace_model import boundary_codecs, constrain_stage
 from node.transport import Link, LinkError, Shaper, connect, listen
 from protocol.framing import recv_frame, send_frame
-from protocol.runspec import ModelSpec, PipelineSpec, RunSpec
+from protocol.runspec import ModelSpec, PipelineSpec, RunSpec, TrainSpec
 from protocol.subspace import Kind
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -105,8 +108,11 @@ class RunConfig:
     recv_timeout_s: float
 
     def spec(self) -> RunSpec:
+        """The run this variant trains: the run defaults (warm-up, clipping, weight decay, precision) with
+        this bench's steps, batch, microbatches, peak lr and links."""
         pipeline = PipelineSpec(link_k=list(self.variant.link_k), wire_dtype=self.wire_dtype)  # type: ignore[arg-type]
-        return RunSpec(run_id="bench-pipeline", model=MODEL, stages=2, pipeline=pipeline)
+        train = TrainSpec(total_steps=self.steps, batch_size=self.M * self.b, microbatches=self.M, lr=self.lr)
+        return RunSpec(run_id="bench-pipeline", model=MODEL, stages=2, train=train, pipeline=pipeline)
 
     @staticmethod
     def from_dict(raw: dict[str, Any]) -> RunConfig:
@@ -118,6 +124,7 @@ class Node:
     module: Stage
     pipe: PipelineStage
     opt: torch.optim.Optimizer
+    train: TrainSpec
 
 
 def build_node(cfg: RunConfig, index: int, link: Link) -> Node:
@@ -125,6 +132,8 @@ def build_node(cfg: RunConfig, index: int, link: Link) -> Node:
     ranges = spec.layer_ranges()
     module = build_stage(spec.model, ranges, index)
     constrain_stage(module, spec.model, spec.pipeline, ranges, index)  # no-op with dense links
+    cpu = torch.device("cpu")
+    prepare_stage(module, cpu, resolve_precision(spec.train.precision, cpu))
     codec_in, codec_out = boundary_codecs(module, spec.model, spec.pipeline, ranges, index)
     pipe = PipelineStage(
         module,
@@ -137,17 +146,11 @@ def build_node(cfg: RunConfig, index: int, link: Link) -> Node:
         recv_timeout_s=cfg.recv_timeout_s,
         extra_in_flight=cfg.variant.extra_in_flight,
     )
-    opt = torch.optim.AdamW(module.parameters(), lr=cfg.lr, betas=(0.9, 0.95), weight_decay=0.0)
-    return Node(module, pipe, opt)
+    return Node(module, pipe, make_optimizer(module, spec.train), spec.train)
 
 
 def train_step(node: Node, step: int, batch: torch.Tensor | None, M: int) -> StepStats:
-    node.opt.zero_grad(set_to_none=True)
-    stats = node.pipe.train_step(step, batch, M)
-    project_grads_(node.module)  # no-op unless constrained
-    node.opt.step()
-    project_weights_(node.module)
-    return stats
+    return inner_step(node.module, node.opt, node.train, step, lambda: node.pipe.train_step(step, batch, M))
 
 
 def shaper(cfg: RunConfig) -> Shaper:

@@ -18,11 +18,12 @@ replica r draws batch (data_seed, r, step) in every arm, so every method sees th
 - stream_tau1/2: SparseLoCo with P strided fragments captured at c_f = (f+1) floor(H/P) and applied
                 tau = 1 or 2 inner steps later, keeping the local drift (arXiv 2501.18512).
 
-The outer loops are the real `node.outer_sync.OuterSync` with the codecs and aggregation that
-`node.sparseloco_sync.make_sync_parts` builds for the swarm, talking to an in-process S3 server (moto) on
-loopback; replicas are stepped in lockstep (capture phase for all, then apply phase for all). The
-figure is validation bits-per-byte (mean cross-entropy / ln 2; byte vocabulary) of the consensus
-weights on the held-out tail of the corpus, as a table on stderr and one JSON line last on stdout.
+Every inner step is the worker's (node/inner_step.py: lr schedule, clipping, AdamW) under a `TrainSpec`
+built from the flags. The outer loops are the real `node.outer_sync.OuterSync` with the codecs and
+aggregation that `node.sparseloco_sync.make_sync_parts` builds for the swarm, talking to an in-process S3
+server (moto) on loopback; replicas are stepped in lockstep (capture phase for all, then apply phase for
+all). The figure is validation bits-per-byte (mean cross-entropy / ln 2; byte vocabulary) of the
+consensus weights on the held-out tail of the corpus, as a table on stderr and one JSON line last on stdout.
 """
 
 from __future__ import annotations
@@ -38,11 +39,13 @@ from dataclasses import dataclass, replace
 import torch
 
 from node.data import Corpus
+from node.device import resolve_precision
+from node.inner_step import inner_step, make_optimizer, prepare_stage
 from node.model import Stage, build_full_model, lm_loss
 from node.outer_sync import OuterSync
 from node.sparseloco_sync import make_sync_parts
 from protocol.identity import Identity
-from protocol.runspec import ModelSpec, RunSpec, SyncSpec
+from protocol.runspec import ModelSpec, RunSpec, SyncSpec, TrainSpec
 from protocol.store import ObjectStore, StoreConfig
 
 ARMS = ("adamw", "diloco", "sparseloco", "stream_tau1", "stream_tau2")
@@ -54,12 +57,8 @@ class Setup:
 
     model: ModelSpec
     replicas: int
-    steps: int
-    batch: int
-    lr: float
-    warmup: int
-    grad_clip: float
-    data_seed: int
+    train: TrainSpec
+    """Inner steps, per-replica batch, peak lr, warm-up, clipping, data seed (weight decay 0)."""
 
 
 @dataclass
@@ -77,32 +76,24 @@ class Result:
     missing: int = 0
 
 
-def lr_at(step: int, s: Setup) -> float:
-    """Linear warm-up, then cosine decay to 10% of the peak (node.worker's schedule)."""
-    if step < s.warmup:
-        return s.lr * (step + 1) / s.warmup
-    progress = (step - s.warmup) / max(1, s.steps - s.warmup)
-    return s.lr * (0.1 + 0.45 * (1 + math.cos(math.pi * min(1.0, progress))))
+CPU = torch.device("cpu")
 
 
 def new_model(s: Setup) -> tuple[Stage, torch.optim.Optimizer]:
     model = build_full_model(s.model)  # deterministic init from model.init_seed: every replica the same
-    opt = torch.optim.AdamW(model.parameters(), lr=s.lr, betas=(0.9, 0.95), weight_decay=0.0)
-    return model, opt
+    prepare_stage(model, CPU, resolve_precision(s.train.precision, CPU))
+    return model, make_optimizer(model, s.train)
 
 
-def inner_step(
-    model: Stage, opt: torch.optim.Optimizer, tokens: torch.Tensor, lr: float, clip: float
-) -> float:
-    for g in opt.param_groups:
-        g["lr"] = lr
-    opt.zero_grad(set_to_none=True)
-    loss = lm_loss(model(tokens[:, :-1]), tokens)  # tokens (b, L+1)
-    loss.backward()
-    if clip > 0:
-        torch.nn.utils.clip_grad_norm_(model.parameters(), clip)
-    opt.step()
-    return float(loss.detach())
+def train_on(model: Stage, opt: torch.optim.Optimizer, s: Setup, step: int, tokens: torch.Tensor) -> float:
+    """The worker's inner step (node/inner_step.py) on tokens (b, L+1); returns the training loss."""
+
+    def forward_backward() -> float:
+        loss = lm_loss(model(tokens[:, :-1]), tokens)
+        loss.backward()
+        return float(loss.detach())
+
+    return inner_step(model, opt, s.train, step, forward_backward)
 
 
 @torch.no_grad()
@@ -116,13 +107,17 @@ def evaluate(model: Stage, val: list[torch.Tensor]) -> float:
 
 def run_adamw(s: Setup, corpus: Corpus, val: list[torch.Tensor], log: logging.Logger) -> Result:
     model, opt = new_model(s)
+    t = s.train
     t0 = time.perf_counter()
-    for step in range(s.steps):
+    for step in range(t.total_steps):
         tokens = torch.cat(  # (R b, L+1): the R replicas' batches; mean loss = gradient averaged over R
-            [corpus.train_batch(s.data_seed, r, step, s.batch, s.model.seq_len) for r in range(s.replicas)]
+            [
+                corpus.train_batch(t.data_seed, r, step, t.batch_size, s.model.seq_len)
+                for r in range(s.replicas)
+            ]
         )
-        loss = inner_step(model, opt, tokens, lr_at(step, s), s.grad_clip)
-        if step % 100 == 0 or step == s.steps - 1:
+        loss = train_on(model, opt, s, step, tokens)
+        if step % 100 == 0 or step == t.total_steps - 1:
             log.info("adamw step %4d train bpb %.4f", step, loss / math.log(2))
     train_s = time.perf_counter() - t0
     return Result("adamw", evaluate(model, val), train_s)
@@ -164,20 +159,18 @@ def run_outer(
             )
         )
         replicas.append((model, opt))
+    t = s.train
     t0 = time.perf_counter()
-    for step in range(s.steps):
-        lr = lr_at(step, s)
+    for step in range(t.total_steps):
         losses = [
-            inner_step(
-                m, o, corpus.train_batch(s.data_seed, r, step, s.batch, s.model.seq_len), lr, s.grad_clip
-            )
+            train_on(m, o, s, step, corpus.train_batch(t.data_seed, r, step, t.batch_size, s.model.seq_len))
             for r, (m, o) in enumerate(replicas)
         ]
         for sy in syncs:  # capture phase for every replica, then apply phase: no replica waits on itself
             sy.capture_due(step + 1)
         for sy in syncs:
             sy.apply_due(step + 1)
-        if step % 100 == 0 or step == s.steps - 1:
+        if step % 100 == 0 or step == t.total_steps - 1:
             log.info(
                 "%s step %4d train bpb %.4f (mean over replicas)",
                 name,
@@ -259,16 +252,20 @@ def main(argv: list[str] | None = None) -> int:
         d_ff=round(8 * args.d_model / 3 / 8) * 8,
         seq_len=args.seq_len,
     )
-    s = Setup(
-        model=model,
-        replicas=args.replicas,
-        steps=args.steps,
-        batch=args.batch,
-        lr=args.lr,
-        warmup=args.warmup,
-        grad_clip=args.grad_clip,
-        data_seed=args.data_seed,
-    )
+    try:
+        train = TrainSpec(
+            total_steps=args.steps,
+            batch_size=args.batch,
+            microbatches=1,
+            lr=args.lr,
+            warmup_steps=args.warmup,
+            weight_decay=0.0,
+            grad_clip=args.grad_clip,
+            data_seed=args.data_seed,
+        )
+    except ValueError as e:
+        ap.error(f"--steps/--batch: {e}")
+    s = Setup(model=model, replicas=args.replicas, train=train)
     sparse = SyncSpec(
         method="sparseloco",
         H=args.H,
@@ -293,9 +290,10 @@ def main(argv: list[str] | None = None) -> int:
     corpus = Corpus.load("stdlib", 0.02)
     val = corpus.val_batches(args.eval_batches, args.batch, model.seq_len)
     print(
-        f"# R={s.replicas} steps={s.steps} H={args.H} P={args.P} d={model.d_model} layers={model.n_layers} "
-        f"seq={model.seq_len} batch={s.batch}/replica params={model.n_params:,} lr={s.lr} "
-        f"eval tokens={args.eval_batches * s.batch * model.seq_len:,}",
+        f"# R={s.replicas} steps={train.total_steps} H={args.H} P={args.P} d={model.d_model} "
+        f"layers={model.n_layers} seq={model.seq_len} batch={train.batch_size}/replica "
+        f"params={model.n_params:,} lr={train.lr} "
+        f"eval tokens={args.eval_batches * args.batch * model.seq_len:,}",
         file=sys.stderr,
         flush=True,
     )
@@ -354,7 +352,7 @@ def main(argv: list[str] | None = None) -> int:
     out = {
         "bench": "sparseloco_quality",
         "replicas": s.replicas,
-        "steps": s.steps,
+        "steps": train.total_steps,
         "H": args.H,
         "P": args.P,
         "alpha": args.alpha,
@@ -363,11 +361,11 @@ def main(argv: list[str] | None = None) -> int:
         "aggregation": args.aggregation,
         "diloco_alpha": args.diloco_alpha,
         "diloco_momentum": args.diloco_momentum,
-        "lr": s.lr,
+        "lr": train.lr,
         "d_model": model.d_model,
         "n_layers": model.n_layers,
         "seq_len": model.seq_len,
-        "batch": s.batch,
+        "batch": train.batch_size,
         "params": model.n_params,
         "val_bpb": {r.name: round(r.val_bpb, 5) for r in results},
         "gap_sparseloco_vs_adamw": gap("sparseloco", "adamw"),

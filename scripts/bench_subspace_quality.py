@@ -6,7 +6,9 @@ Both arms train the same Llama-style model (d=256, 4 layers, seq 256, batch 8 by
 seeds on the same standard-library token stream with AdamW; every boundary crossing goes through the
 real codec as bytes (Z forward, G_Z backward; the dense arm through the same codec at k = d). Reports
 validation bits-per-byte (loss / ln 2; byte vocabulary, so bits per token = bits per byte) of both arms and
-the relative gap, as a table on stderr and one JSON line last on stdout.
+the relative gap, as a table on stderr and one JSON line last on stdout. Each stage takes the worker's own
+inner step (node/inner_step.py: lr schedule, project_grads_, clipping, AdamW, project_weights_) under a
+`TrainSpec` built from the flags.
 """
 
 from __future__ import annotations
@@ -16,21 +18,21 @@ import json
 import math
 import sys
 import time
+from collections.abc import Callable
 from dataclasses import dataclass
+from functools import partial
 
 import torch
 
 from node.data import Corpus
+from node.device import resolve_precision
+from node.inner_step import inner_step, lr_at, make_optimizer, prepare_stage
 from node.model import Stage, build_stage, lm_loss
-from node.subspace_model import (
-    boundary_codecs,
-    constrain_stage,
-    off_subspace,
-    project_grads_,
-    project_weights_,
-)
-from protocol.runspec import ModelSpec, PipelineSpec
+from node.subspace_model import boundary_codecs, constrain_stage, off_subspace
+from protocol.runspec import ModelSpec, PipelineSpec, TrainSpec
 from protocol.subspace import SubspaceBoundary
+
+CPU = torch.device("cpu")
 
 
 @dataclass
@@ -45,15 +47,14 @@ class Arm:
 
 
 def build_arm(
-    name: str, spec: ModelSpec, pspec: PipelineSpec, ranges: list[tuple[int, int]], lr: float
+    name: str, spec: ModelSpec, pspec: PipelineSpec, ranges: list[tuple[int, int]], train: TrainSpec
 ) -> Arm:
     stages = [build_stage(spec, ranges, s) for s in range(len(ranges))]
     for s, stage in enumerate(stages):
         constrain_stage(stage, spec, pspec, ranges, s)  # no-op for the dense arm
+        prepare_stage(stage, CPU, resolve_precision(train.precision, CPU))
     codecs = [boundary_codecs(stage, spec, pspec, ranges, s) for s, stage in enumerate(stages)]
-    opts: list[torch.optim.Optimizer] = [
-        torch.optim.AdamW(st.parameters(), lr=lr, betas=(0.9, 0.95), weight_decay=0.0) for st in stages
-    ]
+    opts: list[torch.optim.Optimizer] = [make_optimizer(st, train) for st in stages]
     return Arm(name, stages, codecs, opts)
 
 
@@ -76,28 +77,30 @@ def forward(arm: Arm, tokens: torch.Tensor, step: int, kind: str) -> tuple[torch
     raise AssertionError("unreachable")
 
 
-def train_step(arm: Arm, tokens: torch.Tensor, step: int, lr: float, grad_clip: float) -> float:
+def train_step(arm: Arm, tokens: torch.Tensor, step: int, train: TrainSpec) -> float:
+    """One inner step of every stage. The whole pipeline's forward/backward runs once; around it, each
+    stage's `inner_step` zeroes its gradients first and then projects, clips and steps its own parameters
+    (each stage is one node: clipping is per stage). Stage s's inner_step wraps stage s+1's, so the
+    forward/backward sits innermost; the stages' steps touch disjoint parameters, so their order is free."""
+
+    def forward_backward() -> float:
+        loss, outs, leaves = forward(arm, tokens, step, "train")
+        loss.backward()
+        for s in reversed(range(len(arm.stages) - 1)):
+            codec_in, codec_out = arm.codecs[s + 1][0], arm.codecs[s][1]
+            assert codec_in is not None and codec_out is not None
+            msg = codec_in.pack_bwd(step, 0, leaves[s].grad)  # G_Z = G_X U
+            arm.wire_bwd = len(msg)
+            outs[s].backward(codec_out.unpack_bwd(msg)[2])  # G_Z U^T
+        return float(loss.detach())
+
     t0 = time.perf_counter()
-    for opt in arm.opts:
-        opt.zero_grad(set_to_none=True)
-        for group in opt.param_groups:
-            group["lr"] = lr
-    loss, outs, leaves = forward(arm, tokens, step, "train")
-    loss.backward()
-    for s in reversed(range(len(arm.stages) - 1)):
-        codec_in, codec_out = arm.codecs[s + 1][0], arm.codecs[s][1]
-        assert codec_in is not None and codec_out is not None
-        msg = codec_in.pack_bwd(step, 0, leaves[s].grad)  # G_Z = G_X U
-        arm.wire_bwd = len(msg)
-        outs[s].backward(codec_out.unpack_bwd(msg)[2])  # G_Z U^T
-    for stage, opt in zip(arm.stages, arm.opts, strict=True):
-        project_grads_(stage)  # before clipping: clip the gradient that will be used
-        if grad_clip > 0:
-            torch.nn.utils.clip_grad_norm_(stage.parameters(), grad_clip)
-        opt.step()
-        project_weights_(stage)  # AdamW's elementwise scaling leaves span(U)
+    run: Callable[[], float] = forward_backward
+    for stage, opt in reversed(list(zip(arm.stages, arm.opts, strict=True))):
+        run = partial(inner_step, stage, opt, train, step, run)
+    loss = run()
     arm.train_s += time.perf_counter() - t0
-    return float(loss.detach())
+    return loss
 
 
 @torch.no_grad()
@@ -105,13 +108,6 @@ def evaluate(arm: Arm, batches: list[torch.Tensor]) -> float:
     """Mean validation loss in bits per byte."""
     nats = sum(float(forward(arm, b, i, "eval")[0]) for i, b in enumerate(batches)) / len(batches)
     return nats / math.log(2)
-
-
-def lr_at(step: int, steps: int, lr: float, warmup: int) -> float:
-    if step < warmup:
-        return lr * (step + 1) / warmup
-    progress = (step - warmup) / max(1, steps - warmup)
-    return lr * (0.1 + 0.9 * 0.5 * (1 + math.cos(math.pi * progress)))  # cosine to lr/10
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -134,6 +130,19 @@ def main(argv: list[str] | None = None) -> int:
     steps, eval_batches, warmup = args.steps, args.eval_batches, args.warmup
     if args.quick:
         steps, eval_batches, warmup = 30, 2, 5
+    try:
+        train = TrainSpec(
+            total_steps=steps,
+            batch_size=args.batch,
+            microbatches=1,
+            lr=args.lr,
+            warmup_steps=warmup,
+            weight_decay=0.0,
+            grad_clip=args.grad_clip,
+            data_seed=args.data_seed,
+        )
+    except ValueError as e:
+        ap.error(f"--steps/--batch: {e}")
     torch.set_num_threads(args.threads)
     torch.manual_seed(0)
 
@@ -148,10 +157,8 @@ def main(argv: list[str] | None = None) -> int:
     corpus = Corpus.load("stdlib", 0.02)
     val = corpus.val_batches(eval_batches, args.batch, spec.seq_len)
     arms = [
-        build_arm("dense", spec, PipelineSpec(wire_dtype=args.wire_dtype), ranges, args.lr),
-        build_arm(
-            "subspace", spec, PipelineSpec(link_k=[args.k], wire_dtype=args.wire_dtype), ranges, args.lr
-        ),
+        build_arm("dense", spec, PipelineSpec(wire_dtype=args.wire_dtype), ranges, train),
+        build_arm("subspace", spec, PipelineSpec(link_k=[args.k], wire_dtype=args.wire_dtype), ranges, train),
     ]
     log = sys.stderr
     print(
@@ -163,12 +170,11 @@ def main(argv: list[str] | None = None) -> int:
     start_bpb = {a.name: evaluate(a, val) for a in arms}
     for step in range(steps):
         tokens = corpus.train_batch(args.data_seed, 0, step, args.batch, spec.seq_len)  # same for both arms
-        lr = lr_at(step, steps, args.lr, warmup)
-        losses = [train_step(a, tokens, step, lr, args.grad_clip) for a in arms]
+        losses = [train_step(a, tokens, step, train) for a in arms]
         if step % 50 == 0 or step == steps - 1:
             print(
-                f"step {step:4d}  lr {lr:.2e}  train bpb dense {losses[0] / math.log(2):.4f}  "
-                f"subspace {losses[1] / math.log(2):.4f}",
+                f"step {step:4d}  lr {lr_at(step, train):.2e}  "
+                f"train bpb dense {losses[0] / math.log(2):.4f}  subspace {losses[1] / math.log(2):.4f}",
                 file=log,
                 flush=True,
             )

@@ -25,8 +25,10 @@ Decoding checks everything and raises `FragmentError` (a `ProtocolError`) saying
 from __future__ import annotations
 
 import math
+import os
 import struct
 from collections.abc import Mapping, Sequence
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
@@ -168,6 +170,16 @@ def _pack_fixed(v: np.ndarray, width: int) -> bytes:
         for j in range(1, per):
             out |= p[:, j] << (8 - width * (j + 1))
         return out.tobytes()
+    n_bytes = -(-len(v) * width // 8)
+    if width < 8:  # 8 values make `width` whole bytes: one uint64 per 8 values, no bit matrix
+        blocks = np.zeros(-(-len(v) // 8) * 8, np.uint64)
+        blocks[: len(v)] = v
+        b8 = blocks.reshape(-1, 8)  # (blocks, 8)
+        word = b8[:, 0] << np.uint64(7 * width)
+        for j in range(1, 8):
+            word |= b8[:, j] << np.uint64((7 - j) * width)  # value j of a block, MSB first
+        be = word.astype(">u8").view(np.uint8).reshape(-1, 8)[:, 8 - width :]  # (blocks, width) bytes
+        return be.tobytes()[:n_bytes]
     bits = np.unpackbits(v.astype(">u2").view(np.uint8).reshape(-1, 2), axis=1)[:, 16 - width :]  # (N, width)
     return np.packbits(bits).tobytes()
 
@@ -206,19 +218,62 @@ def _golomb_split(M: int) -> tuple[int, int]:
     return max(bM - 1, 0), (1 << bM) - M
 
 
-def golomb_encode(g: np.ndarray, M: int) -> tuple[bytes, bytes, int, bytes]:
-    """Golomb-code the gaps g (N,) >= 0: (fields, unary, unary bit count, extra). See the module doc."""
+def _golomb_segment(g: np.ndarray, M: int) -> tuple[bytes, np.ndarray, int, np.ndarray, int]:
+    """One run of gaps: (fields bytes, unary packed, unary bits, extra packed, extra bits)."""
     q, r = np.divmod(g, M)
     unary_bits = int(q.sum()) + len(g)
     u = np.zeros(unary_bits, np.uint8)
     u[np.cumsum(q + 1) - 1] = 1  # a one ends each gap's run of q zeros
-    w, c = _golomb_split(M)
     if M == 1:
-        return b"", np.packbits(u).tobytes(), unary_bits, b""
+        return b"", np.packbits(u), unary_bits, np.zeros(0, np.uint8), 0
+    w, c = _golomb_split(M)
     long = r >= c
     v = np.where(long, (r + c) >> 1, r)  # first b_M - 1 bits of the truncated-binary code
     extra = ((r + c) & 1)[long].astype(np.uint8)
-    return _pack_fixed(v, w), np.packbits(u).tobytes(), unary_bits, np.packbits(extra).tobytes()
+    return _pack_fixed(v, w), np.packbits(u), unary_bits, np.packbits(extra), len(extra)
+
+
+def _join_bits(parts: list[tuple[np.ndarray, int]]) -> bytes:
+    """Concatenate packed MSB-first bit strings of the given bit lengths into one, zero-padded."""
+    total = sum(n for _, n in parts)
+    out = np.zeros(-(-total // 8) + 1, np.uint8)  # one spare byte for the last part's spill
+    at = 0
+    for packed, n in parts:
+        b, s = divmod(at, 8)
+        m = len(packed)
+        if s == 0:
+            out[b : b + m] |= packed
+        else:  # shift the part right by s bits across byte boundaries
+            out[b : b + m] |= packed >> s
+            out[b + 1 : b + 1 + m] |= packed << (8 - s)
+        at += n
+    return out[: -(-total // 8)].tobytes()
+
+
+_PARALLEL_MIN_GAPS = 1 << 20
+
+
+def golomb_encode(g: np.ndarray, M: int, workers: int | None = None) -> tuple[bytes, bytes, int, bytes]:
+    """Golomb-code the gaps g (N,) >= 0: (fields, unary, unary bit count, extra). See the module doc.
+
+    Large fragments are coded in `workers` threads (default: half the cores, at most 8; numpy releases
+    the GIL), each over a run of gaps whose fields start on a byte (a multiple of 8 entries); the runs'
+    bit strings are then joined. The bytes are the same as one pass over all gaps."""
+    g = g.astype(np.int32) if len(g) and int(g.max()) < 2**31 else g  # 32-bit division is faster
+    if workers is None:
+        workers = max(1, min(8, (os.cpu_count() or 2) // 2))
+    n_seg = min(workers, max(1, len(g) // _PARALLEL_MIN_GAPS))
+    if n_seg == 1:
+        fields, u, ub, e, _ = _golomb_segment(g, M)
+        return fields, u.tobytes(), ub, e.tobytes()
+    step = -(-len(g) // n_seg // 8) * 8
+    runs = [g[i : i + step] for i in range(0, len(g), step)]
+    with ThreadPoolExecutor(len(runs), thread_name_prefix="golomb") as pool:
+        parts = list(pool.map(lambda run: _golomb_segment(run, M), runs))
+    fields = b"".join(p[0] for p in parts)
+    unary = _join_bits([(p[1], p[2]) for p in parts])
+    extra = _join_bits([(p[3], p[4]) for p in parts])
+    return fields, unary, sum(p[2] for p in parts), extra
 
 
 def _read_gaps(rd: _Reader, n: int, M: int, unary_bits: int) -> np.ndarray:
@@ -266,8 +321,9 @@ def _gaps(cf: CompressedFragment) -> np.ndarray:
     return g  # (N,)
 
 
-def _check_fragment(cf: CompressedFragment) -> None:
-    """Reject an in-memory fragment that does not match its layout (before it is signed and sent)."""
+def _check_fragment(cf: CompressedFragment) -> np.ndarray:
+    """Reject an in-memory fragment that does not match its layout (before it is signed and sent);
+    returns its index gaps (N,)."""
     lay = cf.layout
     b = cf.cfg.value_bits
     want = {
@@ -295,12 +351,12 @@ def _check_fragment(cf: CompressedFragment) -> None:
         raise FragmentError("a kept index is outside its chunk")
     if int(cf.codes.max(initial=0)) >= 1 << b:
         raise FragmentError(f"a value code does not fit in {b} bits")
+    return g
 
 
 def pack_payload(cf: CompressedFragment) -> bytes:
     """The payload P of the frame (see the module doc)."""
-    _check_fragment(cf)
-    g = _gaps(cf)
+    g = _check_fragment(cf)
     M = _golomb_parameter(g)
     fields_, unary, unary_bits, extra = golomb_encode(g, M)
     return b"".join(

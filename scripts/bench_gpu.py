@@ -16,7 +16,8 @@ codecs, nothing that signs or talks to a DHT or a store.
 2. sparseloco: `protocol.sparseloco_device.error_feedback_step_device` on an `--ef-params`-parameter stage
    of 8B-shaped matrices: seconds from (e, Delta) on the device to kept indices and codes on the host;
    then, separately, the host's Golomb coding (`pack_payload`), and how many inner steps of such a stage
-   that coding needs (it runs on the I/O thread during the tau steps of overlap). Also checks that the same
+   that coding needs (it runs on the I/O thread during the tau steps of overlap); an inner step is M
+   (--M) microbatches at part 1's time per microbatch, scaled to the stage's parameters. Also checks that the same
    fragment decodes bit-identically on the device and on the CPU, and aggregates identically.
 3. pipeline: two stage processes sharing the device, over loopback TCP through `node.transport.Link`,
    subspace links k = d/8 with bfloat16 on the wire, the transport's shaper at --bandwidth-mbps per
@@ -168,7 +169,8 @@ def bench_sparseloco(a: argparse.Namespace, device: torch.device, step_s_per_par
     t = time.perf_counter()
     payload = pack_payload(cf)
     host_s = time.perf_counter() - t
-    step_s = step_s_per_param * n  # an inner step of a stage this size, scaled from part 1
+    # an inner step of a stage this size: M microbatches (part 3's --M) at part 1's time per microbatch
+    step_s = step_s_per_param * n * a.M
     steps_needed = math.ceil(host_s / step_s) if step_s > 0 else None
     # the reference numpy path on the host, on a slice, for the ratio
     ref_shapes = shapes[: max(1, len(shapes) // 8)]
@@ -201,6 +203,7 @@ def bench_sparseloco(a: argparse.Namespace, device: torch.device, step_s_per_par
         "payload_bytes": len(payload),
         "ratio_vs_fp32": round(n * 4 / len(payload), 1),
         "inner_step_s_at_this_size": round(step_s, 4),
+        "microbatches_per_step": a.M,
         "host_coding_inner_steps": steps_needed,
         "tau": a.tau,
         "host_coding_within_tau": steps_needed is not None and steps_needed <= a.tau,

@@ -310,6 +310,35 @@ def test_golomb_roundtrip(g: np.ndarray, M: int) -> None:
     assert np.array_equal(golomb_decode(fields + unary + extra, len(g), M, bits), g)
 
 
+@FAST
+@given(
+    g=st.lists(st.integers(0, 5000), max_size=300).map(lambda v: np.array(v, np.int64)),
+    M=st.integers(1, 4096),
+    workers=st.integers(2, 5),
+)
+def test_golomb_in_threads_gives_the_same_bytes(g: np.ndarray, M: int, workers: int) -> None:
+    """The threaded coder joins runs of gaps at arbitrary bit offsets: the bytes must not change."""
+    from protocol import sparseloco_format
+
+    old = sparseloco_format._PARALLEL_MIN_GAPS
+    sparseloco_format._PARALLEL_MIN_GAPS = 8  # so that small inputs are split too
+    try:
+        assert golomb_encode(g, M, workers=workers) == golomb_encode(g, M, workers=1)
+    finally:
+        sparseloco_format._PARALLEL_MIN_GAPS = old
+
+
+def test_fixed_width_packing_matches_the_bit_matrix() -> None:
+    from protocol.sparseloco_format import _pack_fixed
+
+    rng = np.random.default_rng(0)
+    for n in (1, 7, 8, 9, 1001):
+        for w in range(1, 17):
+            v = rng.integers(0, 1 << w, size=n)
+            bits = np.unpackbits(v.astype(">u2").view(np.uint8).reshape(-1, 2), axis=1)[:, 16 - w :]
+            assert _pack_fixed(v, w) == np.packbits(bits).tobytes(), (n, w)
+
+
 def test_golden_wire_bytes() -> None:
     """Pins the format: any change to the coding must bump CODEC_VERSION and this digest."""
     i = np.arange(200 * 70 + 40 + 3 * 4 * 50, dtype=np.int64)
@@ -419,7 +448,7 @@ def test_rejections_raise_typed_errors(monkeypatch: pytest.MonkeyPatch) -> None:
     bad_idx = cf.idx.copy()
     bad_idx[lay.entry_start[1] - 1] = lay.u[0]  # last index of chunk 0 = its size
     oob = CompressedFragment(**{**cf.__dict__, "idx": bad_idx})
-    monkeypatch.setattr("protocol.sparseloco_format._check_fragment", lambda cf: None)
+    monkeypatch.setattr("protocol.sparseloco_format._check_fragment", sparseloco_format._gaps)  # unchecked
     with pytest.raises(FragmentError, match=r"index \d+ out of range in chunk 0 \(tensor 0"):
         decode_fragment(_sealed(oob))
     monkeypatch.undo()

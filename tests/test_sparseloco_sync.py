@@ -56,6 +56,7 @@ def make_replicas(
     tau: int = 0,
     alpha: float = 1.0,
     expected: int | None = None,
+    device_paths: list[bool] | None = None,
 ) -> tuple[str, list[OuterSync]]:
     """R replicas of the same initial parameters; `expected` (>= R) replicas are listed as stage peers."""
     run_id = f"run-{uuid.uuid4().hex[:8]}"
@@ -64,7 +65,7 @@ def make_replicas(
         OuterSync(
             make_params(shapes),
             store=store,
-            codec=SparseLoCoCodec(IDS[r], CFG),
+            codec=SparseLoCoCodec(IDS[r], CFG, device_path=device_paths[r] if device_paths else None),
             aggregate=make_aggregator(AGG),
             run_id=run_id,
             stage=0,
@@ -119,6 +120,29 @@ def assert_same_anchors(syncs: list[OuterSync]) -> None:
 
 
 SHAPES = [(128, 192), (64,), (100, 70)]
+
+
+def test_device_and_host_codec_paths_reach_the_same_consensus(
+    store: ObjectStore, closer: list[OuterSync]
+) -> None:
+    """Replicas whose SparseLoCo runs on the device path (torch, forced onto the CPU here) and replicas on
+    the numpy reference path exchange fragments that each other accept, and the consensus is bit for bit
+    the one an all-reference swarm reaches from the same inner steps."""
+    _, mixed = make_replicas(store, SHAPES, R=3, H=3, P=2, tau=1, device_paths=[True, False, True])
+    _, ref = make_replicas(store, SHAPES, R=3, H=3, P=2, tau=1, device_paths=[False] * 3)
+    closer.extend(mixed + ref)
+    for _ in lockstep(mixed, range(1, 10)):
+        pass
+    for _ in lockstep(ref, range(1, 10)):
+        pass
+    assert_same_anchors(mixed)
+    for a, b in zip(mixed[0].anchor, ref[0].anchor, strict=True):
+        assert torch.equal(a, b)
+    for s in mixed:
+        assert s.stats.rejected == s.stats.missing == 0 and s.stats.rounds_applied == 6
+    for f, e in mixed[0].codec.e.items():  # type: ignore[attr-defined]
+        for x, y in zip(e, ref[0].codec.e[f], strict=True):  # type: ignore[attr-defined]
+            assert torch.allclose(x, y, rtol=0, atol=1e-6)  # error feedback: same to float32 rounding
 
 
 def test_round_gives_bit_identical_anchors(store: ObjectStore, closer: list[OuterSync]) -> None:

@@ -380,7 +380,7 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     ap.add_argument("--ef-repeats", type=int, default=3)
     ap.add_argument("--tau", type=int, default=2, help="part 2: overlap steps the host coding must fit in")
     ap.add_argument("--pipe-layers", type=int, default=2, help="part 3: layers per stage (default 2)")
-    ap.add_argument("--M", type=int, default=16, help="part 3: microbatches per step (default 16)")
+    ap.add_argument("--M", type=int, default=24, help="part 3: microbatches per step (default 24)")
     ap.add_argument("--extra-in-flight", type=int, default=4, help="part 3 (default 4)")
     ap.add_argument("--bandwidth-mbps", type=float, default=1000.0, help="part 3 shaper (default 1000)")
     ap.add_argument("--delay-ms", type=float, default=25.0, help="part 3 one-way delay (default 25)")

@@ -106,7 +106,7 @@ def test_the_inner_step_trains_in_either_precision_with_fp32_master_weights(prec
     def forward_backward() -> float:
         loss = lm_loss(module(tokens[:, :-1]), tokens)
         loss.backward()
-        return float(loss)
+        return float(loss.detach())
 
     losses = [inner_step(module, opt, train, step, forward_backward) for step in range(12)]
     assert losses[-1] < losses[0] - 0.5  # it learns the batch

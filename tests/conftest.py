@@ -18,3 +18,14 @@ def moto_store():
     host, port = server.get_host_and_port()
     yield f"http://{host}:{port}"
     server.stop()
+
+
+@pytest.fixture(scope="module")
+def one_torch_thread():
+    """The codecs are measured per core; small tensors are also faster without thread handoffs."""
+    import torch
+
+    n = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(n)

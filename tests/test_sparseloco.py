@@ -59,13 +59,7 @@ WHERE = {"run_id": "run-test", "stage": 1, "fragment": 2, "round": 7, "replica":
 FAST = settings(max_examples=40, deadline=None, suppress_health_check=[HealthCheck.too_slow])
 
 
-@pytest.fixture(autouse=True, scope="module")
-def _one_thread():
-    """The codec is measured per core; small tensors are also faster without thread handoffs."""
-    n = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(n)
+pytestmark = pytest.mark.usefixtures("one_torch_thread")
 
 
 # ---- helpers -----------------------------------------------------------------------------------------

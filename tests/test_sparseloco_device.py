@@ -32,12 +32,7 @@ FAST = settings(max_examples=25, deadline=None, suppress_health_check=[HealthChe
 SHAPES = [(100, 70), (128, 192), (130, 200), (3, 5, 700), (50,), (), (7,)]
 
 
-@pytest.fixture(autouse=True, scope="module")
-def _one_thread():
-    n = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(n)
+pytestmark = pytest.mark.usefixtures("one_torch_thread")
 
 
 def _bits(x: torch.Tensor) -> torch.Tensor:

@@ -449,7 +449,8 @@ def stage_params(shape: ModelShape, layers: tuple[int, ...]) -> list[int]:
 
 def stage_memory_bytes(shape: ModelShape, layers: tuple[int, ...], settings: RunSettings) -> list[int]:
     """Peak memory of each stage as a node trains it (protocol/memory.py): bf16 state with one bf16
-    weight copy per microbatch in flight, plus activations without recomputation. Grouped-query
+    weight copy per step (the step's microbatches share one autocast region), plus activations without
+    recomputation. Grouped-query
     attention is counted as full attention (an upper bound)."""
     S, tokens = len(layers), settings.microbatch_size * shape.seq_len
     per_param = memory.bytes_per_param(
@@ -472,7 +473,7 @@ def stage_memory_bytes(shape: ModelShape, layers: tuple[int, ...], settings: Run
             precision="bf16",
         )
         out.append(
-            round(n_params * per_param) + memory.BYTES_PER_PARAM["autocast_copy"] * alive * matmul + act
+            round(n_params * per_param) + memory.BYTES_PER_PARAM["autocast_copy"] * matmul + act
         )
     return out
 

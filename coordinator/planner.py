@@ -472,9 +472,7 @@ def stage_memory_bytes(shape: ModelShape, layers: tuple[int, ...], settings: Run
             last=s == S - 1,
             precision="bf16",
         )
-        out.append(
-            round(n_params * per_param) + memory.BYTES_PER_PARAM["autocast_copy"] * matmul + act
-        )
+        out.append(round(n_params * per_param) + memory.BYTES_PER_PARAM["autocast_copy"] * matmul + act)
     return out
 
 

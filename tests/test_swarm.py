@@ -100,6 +100,10 @@ def test_two_outer_rounds_identical_consensus(swarm: Swarm, tmp_path: Path) -> N
         "4 nodes to finish run swarm-a",
     )
     assert all(m["rounds"] == 2 for m in ms)
+    # where and how each trained: auto on a CPU-only host is the CPU in fp32, in /status for the user
+    assert all(m["device"] == "cpu" and m["precision"] == "fp32" for m in ms)
+    st = [s for s in swarm.statuses() if s]
+    assert all(s["device"] == "cpu" and s["tflops_fp32"] > 0 and s["free_memory_gb"] > 0 for s in st)
     for stage in (0, 1):
         digests = {m["weights_sha256"] for m in ms if m["stage"] == stage}
         assert len(digests) == 1 and "" not in digests, f"stage {stage} replicas disagree: {digests}"

@@ -261,7 +261,12 @@ class OuterSync:
                 log.warning("listing %s failed: %s", prefix, e)
                 present = set()
             for r in sorted(wanted & present):
-                blob = self.store.get(keys.sync_key(fid.run_id, fid.stage, fid.fragment, fid.round, r))
+                key = keys.sync_key(fid.run_id, fid.stage, fid.fragment, fid.round, r)
+                try:
+                    blob = self.store.get(key)
+                except StoreError as e:  # transient (503, reset, timeout): asked again at the next poll
+                    log.debug("fetch of %s failed (retrying until the round's deadline): %s", key, e)
+                    continue
                 if blob is None:
                     continue
                 self._count(down=len(blob))

@@ -7,6 +7,7 @@ replica's apply phase, so that tau = 0 (apply right after capture) cannot deadlo
 from __future__ import annotations
 
 import math
+import time
 import uuid
 from collections.abc import Callable, Iterator
 
@@ -25,6 +26,7 @@ from protocol.sparseloco_format import (
     ratio,
 )
 from protocol.store import ObjectStore, StoreConfig
+from tests.fault_proxy import FaultProxy
 from tests.fragment_faults import KINDS, corrupt, valid_blob
 
 pytestmark = pytest.mark.timeout(60)
@@ -57,6 +59,7 @@ def make_replicas(
     alpha: float = 1.0,
     expected: int | None = None,
     device_paths: list[bool] | None = None,
+    stores: list[ObjectStore] | None = None,
 ) -> tuple[str, list[OuterSync]]:
     """R replicas of the same initial parameters; `expected` (>= R) replicas are listed as stage peers."""
     run_id = f"run-{uuid.uuid4().hex[:8]}"
@@ -64,7 +67,7 @@ def make_replicas(
     syncs = [
         OuterSync(
             make_params(shapes),
-            store=store,
+            store=stores[r] if stores else store,
             codec=SparseLoCoCodec(IDS[r], CFG, device_path=device_paths[r] if device_paths else None),
             aggregate=make_aggregator(AGG),
             run_id=run_id,
@@ -120,6 +123,34 @@ def assert_same_anchors(syncs: list[OuterSync]) -> None:
 
 
 SHAPES = [(128, 192), (64,), (100, 70)]
+
+
+def test_a_store_that_fails_fetches_for_a_while_is_retried_until_the_deadline(
+    store: ObjectStore, moto_store: str, closer: list[OuterSync]
+) -> None:
+    """Finding 8 of the attack report: one transient GET error of another replica's fragment raised out
+    of after_inner_step. Here replica 1 reaches the store through a proxy that answers 503 SlowDown to
+    every GET of replica 0's fragments for 6 s (more than boto3's own retries cover): the round waits,
+    retries, and completes with both contributions and identical anchors."""
+    proxy = FaultProxy(moto_store)
+    try:
+        flaky = ObjectStore(StoreConfig(endpoint_url=proxy.url, bucket="sparseloco-sync"))
+        t0 = time.monotonic()
+        proxy.rule = lambda m, p: (
+            m == "GET" and "/sync/" in p and p.endswith("/0") and time.monotonic() - t0 < 6
+        )
+        _, syncs = make_replicas(store, SHAPES, R=2, H=3, tau=1, stores=[store, flaky])
+        closer.extend(syncs)
+        for _ in lockstep(syncs, range(1, 8)):
+            pass
+        assert proxy.failed, "the proxy failed no request: the test did not exercise the fault"
+        assert_same_anchors(syncs)
+        for s in syncs:
+            assert (
+                s.stats.rounds_applied == 2 and s.stats.missing == 0 and s.stats.last_contributors == [0, 1]
+            )
+    finally:
+        proxy.close()
 
 
 def test_device_and_host_codec_paths_reach_the_same_consensus(

@@ -1,0 +1,78 @@
+"""A fault-injecting HTTP proxy in front of the real S3 server (moto), for store fault tests.
+
+Each client request is read up to its head, then either answered by the proxy with an S3 `503 SlowDown`
+(when `rule(method, path)` says so) or forwarded to the upstream server with `Connection: close`, and the
+upstream's answer relayed byte for byte. Real sockets on loopback; nothing is mocked.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import socket
+import threading
+from collections.abc import Callable
+
+SLOW_DOWN = b"<?xml version='1.0' encoding='UTF-8'?><Error><Code>SlowDown</Code><Message>Reduce your request rate</Message></Error>"
+
+
+class FaultProxy:
+    """`http://127.0.0.1:{port}` forwards to `upstream`, failing the requests `rule` picks."""
+
+    def __init__(self, upstream_url: str) -> None:
+        host, port = upstream_url.removeprefix("http://").rstrip("/").split(":")
+        self.upstream = (host, int(port))
+        self.rule: Callable[[str, str], bool] = lambda method, path: False
+        self.failed: list[tuple[str, str]] = []
+        self._srv = socket.create_server(("127.0.0.1", 0))
+        self._srv.settimeout(0.2)
+        self.url = f"http://127.0.0.1:{self._srv.getsockname()[1]}"
+        self._closed = threading.Event()
+        threading.Thread(target=self._accept, daemon=True).start()
+
+    def close(self) -> None:
+        self._closed.set()
+        self._srv.close()
+
+    def _accept(self) -> None:
+        while not self._closed.is_set():
+            try:
+                conn, _ = self._srv.accept()
+            except TimeoutError:
+                continue
+            except OSError:
+                return
+            threading.Thread(target=self._serve, args=(conn,), daemon=True).start()
+
+    def _serve(self, conn: socket.socket) -> None:
+        conn.settimeout(10)
+        with contextlib.closing(conn):
+            head = b""
+            while b"\r\n\r\n" not in head:
+                chunk = conn.recv(65536)
+                if not chunk:
+                    return
+                head += chunk
+            head, _, rest = head.partition(b"\r\n\r\n")
+            lines = head.split(b"\r\n")
+            method, path = lines[0].decode().split(" ")[:2]
+            if self.rule(method, path):
+                self.failed.append((method, path))
+                conn.sendall(
+                    b"HTTP/1.1 503 Slow Down\r\nContent-Type: application/xml\r\n"
+                    + f"Content-Length: {len(SLOW_DOWN)}\r\nConnection: close\r\n\r\n".encode()
+                    + SLOW_DOWN
+                )
+                return
+            kept = [ln for ln in lines[1:] if not ln.lower().startswith(b"connection:")]
+            request = b"\r\n".join([lines[0], *kept, b"Connection: close"]) + b"\r\n\r\n" + rest
+            with socket.create_connection(self.upstream, timeout=10) as up:
+                up.sendall(request)
+                pump = threading.Thread(target=_copy, args=(conn, up), daemon=True)
+                pump.start()  # the rest of the request body, if any
+                _copy(up, conn)
+
+
+def _copy(src: socket.socket, dst: socket.socket) -> None:
+    with contextlib.suppress(OSError):
+        while data := src.recv(65536):
+            dst.sendall(data)

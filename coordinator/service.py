@@ -224,6 +224,10 @@ class Coordinator:
                 done += 1
             elif a.run_id == spec.run_id and a.epoch == run.epoch and a.state == "failed":
                 # wait out the grace period: the failure may be a neighbour that is about to count as gone
+                if peer not in run.missing_since:
+                    log.warning(
+                        "run %s: node %s failed: %s", spec.run_id, peer[-8:], a.error or "no reason given"
+                    )
                 if now - run.missing_since.setdefault(peer, now) > self.churn_grace_s:
                     failed.add(peer)
         stale_replicas = {r for (r, s), p in pl.slots.items() if p in stale}

@@ -33,6 +33,7 @@ from protocol.store import ObjectStore, StoreConfig, StoreError
 
 log = logging.getLogger(__name__)
 VERSION = "0.1.0"
+ADVERT_ERROR_CHARS = 500  # the reason a failed assignment is advertised with, cut to keep adverts small
 
 
 @dataclass(kw_only=True, frozen=True)
@@ -169,6 +170,7 @@ class NodeDaemon:
             store_mbps=round(self.store_mbps, 1),
             free_memory_gb=round(self._free_bytes() / GB, 2),
             state=m.state,  # type: ignore[arg-type]
+            error=m.error[:ADVERT_ERROR_CHARS] if m.state == "failed" else "",
             run_id=m.run_id,
             replica=m.replica,
             stage=m.stage,
@@ -308,15 +310,11 @@ class NodeDaemon:
             try:
                 reason = worker.run()
                 log.info("run %s replica %d stage %d: %s", a.run_id, a.replica, a.stage, reason)
-            except (LinkError, ProtocolError, StoreError, TimeoutError, RuntimeError) as e:
-                self.metrics.state, self.metrics.error = "failed", str(e)
-                log.error(
-                    "run %s replica %d stage %d failed: %s (waiting for a new assignment)",
-                    a.run_id,
-                    a.replica,
-                    a.stage,
-                    e,
-                )
+            except (LinkError, ProtocolError, StoreError, TimeoutError) as e:  # the swarm around us failed
+                self._worker_failed(a, str(e))
+            except Exception as e:  # anything else (bad data, a malformed checkpoint, NaN weights, a bug)
+                log.exception("worker of run %s crashed", a.run_id)
+                self._worker_failed(a, f"{type(e).__name__}: {e}")
 
         log.info(
             "assigned to run %s: replica %d, stage %d, layers %s (term %d, epoch %d)",
@@ -329,6 +327,19 @@ class NodeDaemon:
         )
         self._worker_thread = threading.Thread(target=run, name="worker", daemon=True)
         self._worker_thread.start()
+
+    def _worker_failed(self, a: Assignment, reason: str) -> None:
+        """Report a failed assignment: `failed` with the reason in /status and in the DHT advert (the
+        coordinator rebuilds around it), and stay ready for new work."""
+        self.metrics.state, self.metrics.error = "failed", reason
+        self._advert_wake.set()
+        log.error(
+            "run %s replica %d stage %d failed: %s (waiting for a new assignment)",
+            a.run_id,
+            a.replica,
+            a.stage,
+            reason,
+        )
 
     def _stop_worker(self, reason: str, timeout_s: float = 60.0) -> None:
         t = self._worker_thread

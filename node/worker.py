@@ -210,52 +210,52 @@ class StageWorker:
             if start > 0:
                 self._load_checkpoint(module, start)
                 project_weights_(module)
+            prepare_stage(module, self.device, precision, compile=self.compile)
+            log.info("run %s r%d/s%d trains on %s in %s", a.run_id, a.replica, a.stage, m.device, precision)
+            codec_in, codec_out = boundary_codecs(module, spec.model, spec.pipeline, ranges, a.stage)
+            first = a.stage == 0
+            corpus = self.corpus_loader(spec.train.data, spec.train.val_fraction) if first else None
+            val = (
+                corpus.val_batches(spec.train.eval_batches, spec.train.batch_size, spec.model.seq_len)
+                if corpus
+                else None
+            )
+            params = [p for p in module.parameters()]
+            opt = make_optimizer(module, spec.train)
+            parts = make_sync_parts(spec, self.identity)
+            sync = OuterSync(
+                params,
+                store=self.store,
+                codec=parts.codec,
+                aggregate=parts.aggregate,
+                run_id=a.run_id,
+                stage=a.stage,
+                replica=a.replica,
+                stage_peers={int(r): p for r, p in a.stage_peers.items()},
+                H=spec.sync.H,
+                P=spec.sync.P,
+                tau=spec.sync.tau,
+                alpha=spec.sync.alpha,
+                momentum=parts.momentum,
+                timeout_s=spec.sync.timeout_s,
+            )
+            self.sync = sync
+            m.step = start
+            pipe = PipelineStage(
+                module,
+                stage=a.stage,
+                n_stages=spec.stages,
+                prev=self.prev,
+                next=self.next,
+                codec_in=codec_in,
+                codec_out=codec_out,
+                recv_timeout_s=spec.pipeline.recv_timeout_s,
+                extra_in_flight=spec.pipeline.extra_in_flight,
+                device=self.device,
+            )
         except BaseException:
-            self._close_links()
+            self._close_links()  # the neighbours then fail at once with a closed link, not at a timeout
             raise
-        prepare_stage(module, self.device, precision, compile=self.compile)
-        log.info("run %s r%d/s%d trains on %s in %s", a.run_id, a.replica, a.stage, m.device, precision)
-        codec_in, codec_out = boundary_codecs(module, spec.model, spec.pipeline, ranges, a.stage)
-        first = a.stage == 0
-        corpus = self.corpus_loader(spec.train.data, spec.train.val_fraction) if first else None
-        val = (
-            corpus.val_batches(spec.train.eval_batches, spec.train.batch_size, spec.model.seq_len)
-            if corpus
-            else None
-        )
-        params = [p for p in module.parameters()]
-        opt = make_optimizer(module, spec.train)
-        parts = make_sync_parts(spec, self.identity)
-        sync = OuterSync(
-            params,
-            store=self.store,
-            codec=parts.codec,
-            aggregate=parts.aggregate,
-            run_id=a.run_id,
-            stage=a.stage,
-            replica=a.replica,
-            stage_peers={int(r): p for r, p in a.stage_peers.items()},
-            H=spec.sync.H,
-            P=spec.sync.P,
-            tau=spec.sync.tau,
-            alpha=spec.sync.alpha,
-            momentum=parts.momentum,
-            timeout_s=spec.sync.timeout_s,
-        )
-        self.sync = sync
-        m.step = start
-        pipe = PipelineStage(
-            module,
-            stage=a.stage,
-            n_stages=spec.stages,
-            prev=self.prev,
-            next=self.next,
-            codec_in=codec_in,
-            codec_out=codec_out,
-            recv_timeout_s=spec.pipeline.recv_timeout_s,
-            extra_in_flight=spec.pipeline.extra_in_flight,
-            device=self.device,
-        )
         tokens_per_step = spec.train.batch_size * spec.model.seq_len
         result = "done"
         try:

@@ -53,6 +53,8 @@ class NodeAdvert:
     peer_rtt_ms: dict[str, float] = field(default_factory=dict)
     coordinator_eligible: bool = False
     state: NodeState = "idle"
+    error: str = ""
+    """Why the current assignment failed (state "failed"), for the coordinator and the operator; else empty."""
     run_id: str = ""
     replica: int = -1
     stage: int = -1

@@ -301,6 +301,54 @@ def test_bad_input_is_rejected_and_node_keeps_running(swarm: Swarm) -> None:
         assert json.load(r)["status"] == "ok"
 
 
+def test_a_crashed_worker_is_reported_failed_with_its_reason(swarm: Swarm, tmp_path: Path) -> None:
+    """Issue 10 finding 8: a worker that dies of an exception the daemon did not list (here a `DataError`,
+    a ValueError: train.data names no file) left a zombie advertising "training" with no error. Now the
+    first stages report `failed` with the reason in /status and in their DHT advert (the coordinator logs
+    it), their neighbours fail at once on the closed link instead of a timeout, and the run can be
+    stopped; the next test trains these same nodes (they take new work)."""
+    toml = tmp_path / "run.toml"
+    missing = tmp_path / "no-such-corpus" / "*.txt"
+    text = RUN_TOML.format(run_id="swarm-z", steps=20, H=5, timeout=30)
+    toml.write_text(text.replace("eval_batches = 2\n", f'eval_batches = 2\ndata = "{missing}"\n'))
+    swarm.launch(toml)
+
+    def reported() -> list[dict] | None:
+        ms = run_metrics(swarm, "swarm-z")
+        first = [m for m in ms if m["stage"] == 0]
+        ok = len(ms) == 4 and all(m["state"] == "failed" for m in ms) and len(first) == 2
+        return ms if ok and all("matches no file" in m["error"] for m in first) else None
+
+    ms = wait_until(
+        reported, 90, "all four swarm-z workers to report failed, the first stages with the reason"
+    )
+    assert all(m["error"] for m in ms if m["stage"] == 1)  # the neighbours say why too (the link closed)
+    wait_until(
+        lambda: "failed: DataError: --data" in swarm.coordinator.log_text(),
+        60,
+        "the coordinator to read the reason from the nodes' adverts",
+    )
+    c = subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "coordinator.cli",
+            "stop",
+            "swarm-z",
+            *swarm.swarm_flags(),
+            *swarm.operator_flags(),
+        ],
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
+    assert c.returncode == 0, c.stderr
+    assert all(node.alive for node in swarm.nodes)
+    for h in swarm.health:
+        with urllib.request.urlopen(f"{h}/health", timeout=5) as r:
+            assert json.load(r)["status"] == "ok"
+
+
 def _slot_index(swarm: Swarm, run_id: str, replica: int, stage: int) -> int:
     for i, st in enumerate(swarm.statuses()):
         m = st["metrics"] if st else None

@@ -84,7 +84,8 @@ def build_parser() -> argparse.ArgumentParser:
     j.add_argument(
         "--operator-key",
         default=None,
-        help="peer id (12D3KooW...) of the operator whose signed runs/assignments are trusted",
+        help="required: peer id (12D3KooW...) of the operator whose signed runs/assignments are trusted "
+        "(nothing signed by any other key is accepted)",
     )
     j.add_argument(
         "--price-per-hour", type=float, default=None, help="USD per hour this host costs (advertised)"
@@ -214,6 +215,14 @@ def cmd_join(args: argparse.Namespace) -> int:
         cfg = load_node_config(args)
     except (BootstrapError, ValueError) as e:
         print(f"error: {e}", file=sys.stderr)
+        return 2
+    if not cfg.operator_key:
+        print(
+            "error: --operator-key is required: a node takes runs and assignments only from the operator it "
+            "trusts. Give the operator's peer id (the operator prints it with `crucible-node identity "
+            "--key-file OPERATOR.key`; example: --operator-key 12D3KooW...), or set operator_key in [node]",
+            file=sys.stderr,
+        )
         return 2
     if cfg.torch_threads:
         import torch

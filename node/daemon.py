@@ -56,7 +56,7 @@ class NodeConfig:
     """Ed25519 identity seed; created on first start. The peer id is derived from it."""
     operator_key: str = ""
     """Peer id (12D3KooW...) of the swarm operator whose signatures on runs and assignments are trusted.
-    Empty = accept any validly signed assignment (local experiments only; a warning is logged)."""
+    Required to join (`crucible-node join` refuses to start without it): nothing else is trusted."""
     price_per_hour: float = 0.0
     """What this host costs, USD per hour (advertised for placement and $/Mtok)."""
     store: StoreConfig | None = None
@@ -123,11 +123,9 @@ class NodeDaemon:
         except DeviceError as e:
             raise ValueError(str(e)) from e
         log.info("node trains on %s", describe(self.device))
-        self.trusted = {public_key_of_peer_id(cfg.operator_key)} if cfg.operator_key else None
-        if self.trusted is None:
-            log.warning(
-                "no --operator-key given: accepting assignments signed by ANY key (local experiments only)"
-            )
+        if not cfg.operator_key:  # no trust root, no assignments: a stranger could point the stage anywhere
+            raise ValueError("operator_key is required: the node trusts runs and assignments from it alone")
+        self.trusted = {public_key_of_peer_id(cfg.operator_key)}
         self.stop_event = threading.Event()
         self._advert_wake = threading.Event()  # set on state changes: publish now, not at the next refresh
         self.metrics = WorkerMetrics()

@@ -118,7 +118,8 @@ def test_the_inner_step_trains_in_either_precision_with_fp32_master_weights(prec
 def test_join_with_device_cuda_on_a_cpu_host_says_so() -> None:
     p = subprocess.run(
         [sys.executable, "-m", "node.cli", "join", "--device", "cuda", "--bootstrap",
-         "/ip4/127.0.0.1/tcp/1/p2p/12D3KooWDpJ7As7BWAwRMfu1VU2WCqNjvq387JEYKDBj4kx6nXTN"],
+         "/ip4/127.0.0.1/tcp/1/p2p/12D3KooWDpJ7As7BWAwRMfu1VU2WCqNjvq387JEYKDBj4kx6nXTN",
+         "--operator-key", "12D3KooWDpJ7As7BWAwRMfu1VU2WCqNjvq387JEYKDBj4kx6nXTN"],
         cwd=ROOT, capture_output=True, text=True, timeout=120, check=False,
     )  # fmt: skip
     assert p.returncode == 2, p.stderr

@@ -468,6 +468,8 @@ def test_join_rejects_bad_bootstrap() -> None:
             "join",
             "--key-file",
             "/tmp/crucible-test-unreachable.key",
+            "--operator-key",
+            "12D3KooWDpJ7As7BWAwRMfu1VU2WCqNjvq387JEYKDBj4kx6nXTN",
             "--bootstrap",
             "/ip4/127.0.0.1/tcp/9/p2p/12D3KooWDpJ7As7BWAwRMfu1VU2WCqNjvq387JEYKDBj4kx6nXTN",
         ],
@@ -477,6 +479,23 @@ def test_join_rejects_bad_bootstrap() -> None:
     )
     assert r.returncode != 0 and time.monotonic() - t < 60
     assert "could not join the swarm" in r.stderr
+
+
+def test_join_without_an_operator_key_is_refused() -> None:
+    """Issue 10 finding 3: without --operator-key a node accepted assignments and run records signed by
+    anyone (a stranger could point train.data at any file on the host and read it back). No trust root,
+    no node: join refuses to start, before it binds a port or joins the DHT."""
+    r = subprocess.run(
+        [sys.executable, "-m", "node.cli", "join", "--key-file", "/tmp/crucible-test-no-operator.key",
+         "--bootstrap", "/ip4/127.0.0.1/tcp/9/p2p/12D3KooWDpJ7As7BWAwRMfu1VU2WCqNjvq387JEYKDBj4kx6nXTN"],
+        capture_output=True, text=True, timeout=60,
+    )  # fmt: skip
+    assert r.returncode == 2, r.stderr
+    assert "--operator-key is required" in r.stderr and "Traceback" not in r.stderr
+    from node.daemon import NodeConfig, NodeDaemon
+
+    with pytest.raises(ValueError, match="operator_key is required"):
+        NodeDaemon(NodeConfig(device="cpu"), Identity.generate())  # the daemon holds to it as well
 
 
 def test_spec_validation_names_the_field() -> None:

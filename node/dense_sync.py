@@ -8,7 +8,7 @@ from __future__ import annotations
 import torch
 
 from node.outer_sync import Encoding, FragmentCodec, FragmentId
-from protocol.dense_fragment import decode_dense, encode_dense
+from protocol.dense_fragment import MAX_DENSE_FRAGMENT_BYTES, decode_dense, encode_dense
 from protocol.identity import Identity
 
 
@@ -37,6 +37,10 @@ class DenseCodec(FragmentCodec):
         self, fid: FragmentId, data: bytes, shapes: list[torch.Size], signer: str
     ) -> list[torch.Tensor]:
         return decode_dense(data, fragment_header(fid), shapes, signer)
+
+    @property
+    def max_fragment_bytes(self) -> int:
+        return MAX_DENSE_FRAGMENT_BYTES
 
     def restore(self, fid: FragmentId, unsent: list[torch.Tensor]) -> None:
         """DiLoCo keeps no error feedback: a pseudo-gradient that did not land is dropped."""

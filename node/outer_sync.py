@@ -36,7 +36,7 @@ import torch
 from node.aggregation import mean_over_arrivals
 from protocol import keys
 from protocol.schema import ProtocolError
-from protocol.store import ObjectStore, StoreError
+from protocol.store import ObjectStore, ObjectTooLarge, StoreError
 
 log = logging.getLogger(__name__)
 
@@ -71,6 +71,11 @@ class FragmentCodec(Protocol):
 
     def restore(self, fid: FragmentId, unsent: list[torch.Tensor]) -> None:
         """Our upload of `fid` did not land: keep `unsent` (what encode returned) for a later round."""
+        ...
+
+    @property
+    def max_fragment_bytes(self) -> int:
+        """The largest object a valid fragment can be: anything bigger at a fragment key is not fetched."""
         ...
 
 
@@ -207,7 +212,10 @@ class OuterSync:
         except StoreError as e:
             log.debug("upload of %s failed (retrying until the round's deadline): %s", key, e)
         try:  # refused, or a PUT whose reply was lost: what does the key hold now?
-            stored = self.store.get(key)
+            stored = self.store.get(key, max_bytes=self.codec.max_fragment_bytes)
+        except ObjectTooLarge as e:  # somebody else's oversized object: no valid fragment of ours
+            log.warning("our fragment key %s: %s", key, e)
+            return False, b""
         except StoreError:
             return None, None
         if stored is None:
@@ -263,7 +271,13 @@ class OuterSync:
             for r in sorted(wanted & present):
                 key = keys.sync_key(fid.run_id, fid.stage, fid.fragment, fid.round, r)
                 try:
-                    blob = self.store.get(key)
+                    blob = self.store.get(key, max_bytes=self.codec.max_fragment_bytes)
+                except ObjectTooLarge as e:  # no valid fragment is this big: reject it unread
+                    rejected.add(r)
+                    with self._lock:
+                        self.stats.rejected += 1
+                    log.warning("rejected fragment of replica %d for %s: %s", r, fid, e)
+                    continue
                 except StoreError as e:  # transient (503, reset, timeout): asked again at the next poll
                     log.debug("fetch of %s failed (retrying until the round's deadline): %s", key, e)
                     continue

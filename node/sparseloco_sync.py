@@ -29,7 +29,13 @@ from node.outer_sync import Aggregator, Encoding, FragmentCodec, FragmentId
 from protocol.identity import Identity, SignatureError, public_key_of_peer_id
 from protocol.runspec import RunSpec
 from protocol.sparseloco import SparseLoCoConfig, decompress, error_feedback_step
-from protocol.sparseloco_format import FragmentError, FragmentHeader, decode_fragment, encode_fragment
+from protocol.sparseloco_format import (
+    MAX_FRAGMENT_BYTES,
+    FragmentError,
+    FragmentHeader,
+    decode_fragment,
+    encode_fragment,
+)
 
 log = logging.getLogger(__name__)
 
@@ -89,6 +95,10 @@ class SparseLoCoCodec(FragmentCodec):
         """e_f += decode(c): a contribution nobody received is sent again in a later round."""
         for e, u in zip(self.e[fid.fragment], unsent, strict=True):
             e.add_(u.to(e.device))
+
+    @property
+    def max_fragment_bytes(self) -> int:
+        return MAX_FRAGMENT_BYTES
 
     def expected_header(self, fid: FragmentId, shapes: list[torch.Size]) -> FragmentHeader:
         """The exact header a valid fragment for `fid` with these tensor shapes carries."""

@@ -19,6 +19,10 @@ class StoreError(RuntimeError):
     """The object store could not be reached or refused a request."""
 
 
+class ObjectTooLarge(StoreError):
+    """An object is larger than the caller's bound for it; it was not downloaded."""
+
+
 @dataclass(kw_only=True, frozen=True)
 class StoreConfig:
     """Where the run's objects live."""
@@ -47,8 +51,11 @@ class ObjectStore:
             aws_access_key_id=cfg.access_key or os.environ.get("AWS_ACCESS_KEY_ID", "crucible"),
             aws_secret_access_key=cfg.secret_key or os.environ.get("AWS_SECRET_ACCESS_KEY", "crucible"),
             region_name=cfg.region if cfg.region != "auto" else "us-east-1",
+            # "standard" retries: 429/503 SlowDown, throttling and resets, with exponential backoff and jitter
             config=botocore.config.Config(
-                connect_timeout=timeout_s, read_timeout=timeout_s, retries={"max_attempts": 3}
+                connect_timeout=timeout_s,
+                read_timeout=timeout_s,
+                retries={"mode": "standard", "max_attempts": 3},
             ),
         )
         self._lock = threading.Lock()
@@ -106,9 +113,17 @@ class ObjectStore:
         self._count(up=len(data))
         return str(r["ETag"])
 
-    def get_with_etag(self, key: str) -> tuple[bytes, str] | None:
+    def get_with_etag(self, key: str, max_bytes: int | None = None) -> tuple[bytes, str] | None:
+        """(bytes, ETag) of `key`, None if absent. max_bytes: refuse (ObjectTooLarge) an object larger
+        than this before downloading its body, so whoever wrote the key cannot make us fetch gigabytes."""
         try:
             r = self.client.get_object(Bucket=self.bucket, Key=key)
+            size = int(r.get("ContentLength", 0))
+            if max_bytes is not None and size > max_bytes:
+                r["Body"].close()
+                raise ObjectTooLarge(
+                    f"object {key} holds {size} bytes, over the {max_bytes}-byte bound for it; not downloaded"
+                )
             data = r["Body"].read()
         except botocore.exceptions.ClientError as e:
             if e.response["Error"]["Code"] in ("NoSuchKey", "404"):
@@ -119,8 +134,8 @@ class ObjectStore:
         self._count(down=len(data))
         return data, str(r["ETag"])
 
-    def get(self, key: str) -> bytes | None:
-        found = self.get_with_etag(key)
+    def get(self, key: str, max_bytes: int | None = None) -> bytes | None:
+        found = self.get_with_etag(key, max_bytes)
         return None if found is None else found[0]
 
     def list(self, prefix: str) -> list[str]:

@@ -22,6 +22,7 @@ from protocol.identity import Identity
 from protocol.runspec import RunSpec, SyncSpec
 from protocol.sparseloco import SparseLoCoConfig
 from protocol.sparseloco_format import (
+    MAX_FRAGMENT_BYTES,
     FragmentError,
     ratio,
 )
@@ -151,6 +152,28 @@ def test_a_store_that_fails_fetches_for_a_while_is_retried_until_the_deadline(
             )
     finally:
         proxy.close()
+
+
+def test_an_oversized_object_at_a_fragment_key_is_rejected_unread(
+    store: ObjectStore, closer: list[OuterSync]
+) -> None:
+    """Issue 10 finding 6 (bounded reads): a 2 GiB object at a fragment key used to be downloaded before
+    the 64 MiB check. Here a 65 MiB object squats replica 1's key of round 0: replica 0 rejects it from
+    its size alone (nothing downloaded), replica 1 finds its key taken, and the round goes on with
+    replica 0's contribution; anchors stay identical."""
+    run_id, syncs = make_replicas(store, SHAPES, R=2, H=3)
+    closer.extend(syncs)
+    big = b"\0" * (MAX_FRAGMENT_BYTES + (1 << 20))
+    store.put(keys.sync_key(run_id, 0, 0, 0, 1), big)
+    down0 = store.bytes_down
+    for _ in lockstep(syncs, range(1, 4)):
+        pass
+    assert_same_anchors(syncs)
+    for s in syncs:
+        assert s.stats.rounds_applied == 1 and s.stats.last_contributors == [0]
+        assert s.stats.bytes_down < 1 << 20  # the squatted object was never fetched
+    assert syncs[0].stats.rejected == 1 and syncs[1].stats.not_uploaded == 1
+    assert store.bytes_down - down0 < 1 << 20
 
 
 def test_device_and_host_codec_paths_reach_the_same_consensus(

@@ -1,13 +1,15 @@
 """A run's coordinator lease: linearizable through the store's conditional writes (DESIGN section 5).
 
-Acquire: PUT If-None-Match:* when no lease exists, or PUT If-Match:<etag> over an expired one (term + 1).
-Renew: PUT If-Match:<etag> of our own lease. Losing either race returns None: another coordinator won.
-Every message the holder signs carries the term, and nodes ignore lower terms.
+Acquire: PUT If-None-Match:* when no lease exists, or PUT If-Match:<etag> over an expired, untrusted or
+garbage one, always at a term above every term known (fencing: terms strictly increase). Renew: PUT
+If-Match:<etag> of our own lease. Losing either race returns None: another coordinator won. Every message
+the holder signs carries the term, and nodes ignore lower terms.
 """
 
 from __future__ import annotations
 
 import logging
+import math
 import time
 from dataclasses import dataclass
 
@@ -16,9 +18,15 @@ from protocol.envelope import open_envelope, seal
 from protocol.identity import Identity
 from protocol.messages import Lease
 from protocol.schema import ProtocolError
-from protocol.store import ObjectStore
+from protocol.store import ObjectStore, ObjectTooLarge
 
 log = logging.getLogger(__name__)
+
+
+MAX_LEASE_S = 600.0
+"""A lease claiming to run longer than this past now is not believed (treated as expired): leases are
+renewed every few seconds, so only a forged or broken one reaches that far (a year-30,000 expiry)."""
+MAX_LEASE_BYTES = 64 * 1024
 
 
 @dataclass
@@ -27,29 +35,86 @@ class HeldLease:
     etag: str
 
 
-def try_acquire(
-    store: ObjectStore, identity: Identity, run_id: str, duration_s: float, now: float | None = None
-) -> HeldLease | None:
-    """Take (or keep) the run's lease; None if another live coordinator holds it or won the race."""
-    now = time.time() if now is None else now
-    key = keys.lease_key(run_id)
-    found = store.get_with_etag(key)
-    if found is None:
-        lease = Lease(run_id=run_id, term=1, holder=identity.peer_id, expires_at=now + duration_s)
-        etag = store.put_if_absent(key, seal(identity, lease))
-        return HeldLease(lease, etag) if etag else None
-    data, etag = found
+def _highest_term(store: ObjectStore, run_id: str) -> int:
+    """The highest term ever claimed ({run}/terms/{term}, write-once) or published under
+    ({run}/assign/{term}-{epoch}): a new term must exceed it even when the lease object itself was lost
+    or overwritten with garbage."""
+    terms = [0]
+    for prefix in (f"{run_id}/terms/", f"{run_id}/assign/"):
+        for key in store.list(prefix):
+            head = key.rsplit("/", 1)[-1].split("-", 1)[0]
+            if head.isdigit():
+                terms.append(int(head))
+    return max(terms)
+
+
+def _valid_lease(data: bytes, run_id: str, trusted: set[bytes], now: float) -> Lease | None:
+    """The lease in `data` if it is a lease of this run signed by a trusted coordinator and believable."""
     try:
-        current = open_envelope(data, Lease).body
-    except ProtocolError as e:
-        log.warning("run %s: lease object is corrupt (%s); taking it over", run_id, e)
-        current = Lease(run_id=run_id, term=0, holder="", expires_at=0.0)
-    if current.holder != identity.peer_id and current.expires_at > now:
+        lease = open_envelope(data, Lease, trusted).body
+    except (ProtocolError, ValueError) as e:  # garbage, a stranger's signature, a broken envelope
+        log.warning("run %s: the lease object is not a trusted coordinator's lease (%s)", run_id, e)
         return None
-    term = current.term if current.holder == identity.peer_id else current.term + 1
+    if lease.run_id != run_id or not math.isfinite(lease.expires_at) or lease.term < 1:
+        log.warning(
+            "run %s: the lease object names run %r, term %d, expiry %r",
+            run_id,
+            lease.run_id,
+            lease.term,
+            lease.expires_at,
+        )
+        return None
+    if lease.expires_at > now + MAX_LEASE_S:
+        log.warning(
+            "run %s: the lease claims to run until %.0f, over %.0f s ahead: not believed",
+            run_id,
+            lease.expires_at,
+            MAX_LEASE_S,
+        )
+        return Lease(run_id=run_id, term=lease.term, holder=lease.holder, expires_at=0.0)
+    return lease
+
+
+def try_acquire(
+    store: ObjectStore,
+    identity: Identity,
+    run_id: str,
+    duration_s: float,
+    now: float | None = None,
+    trusted: set[bytes] | None = None,
+) -> HeldLease | None:
+    """Take the run's lease if nobody holds a live one; None if one is live or another won the race.
+
+    Terms strictly increase: every acquisition takes term = (highest term known) + 1, where the known
+    terms are the current lease's (if it is a trusted, believable lease) and those of published
+    assignments; so a second process with our key cannot share our term, a takeover after a crash is a
+    new term, and a garbage or forged lease object cannot reset the term. A live lease is respected
+    whoever holds it, ourselves included: only `renew`, with the ETag we hold, extends a lease.
+    trusted: public keys whose leases count (default: our own, i.e. coordinators signing with one key).
+    now: the clock (tests inject skew)."""
+    now = time.time() if now is None else now
+    trusted = {identity.public_key} if trusted is None else trusted
+    key = keys.lease_key(run_id)
+    try:
+        found = store.get_with_etag(key, max_bytes=MAX_LEASE_BYTES)
+    except ObjectTooLarge as e:
+        log.warning("run %s: %s", run_id, e)
+        etag_only = store.head_etag(key)  # an oversized object: overwrite it without reading it
+        found = None if etag_only is None else (b"", etag_only)
+    floor = _highest_term(store, run_id)
+    if found is None:
+        term = floor + 1
+    else:
+        current = _valid_lease(found[0], run_id, trusted, now)
+        if current is not None and current.expires_at > now:
+            return None
+        term = max(floor, current.term if current else 0) + 1
+    if store.put_if_absent(keys.term_key(run_id, term), identity.peer_id.encode()) is None:
+        return None  # another coordinator claimed this term first: it won the race
     lease = Lease(run_id=run_id, term=term, holder=identity.peer_id, expires_at=now + duration_s)
-    new_etag = store.put_if_match(key, seal(identity, lease), etag)
-    return HeldLease(lease, new_etag) if new_etag else None
+    blob = seal(identity, lease)
+    etag = store.put_if_absent(key, blob) if found is None else store.put_if_match(key, blob, found[1])
+    return HeldLease(lease, etag) if etag else None
 
 
 def renew(

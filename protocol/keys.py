@@ -28,6 +28,11 @@ def lease_key(run: str) -> str:
     return f"{run}/lease"
 
 
+def term_key(run: str, term: int) -> str:
+    """Write-once claim of a lease term: a term is taken once, even if the lease object is lost."""
+    return f"{run}/terms/{term:06d}"
+
+
 def assign_key(run: str, term: int, epoch: int) -> str:
     return f"{run}/assign/{term:06d}-{epoch:06d}"
 

@@ -442,10 +442,12 @@ def test_store_lease_is_exclusive(moto_store: str) -> None:
     store = ObjectStore(StoreConfig(endpoint_url=moto_store, bucket="lease-test"))
     store.ensure_bucket()
     a, b = Identity.generate(), Identity.generate()
-    held = try_acquire(store, a, "run-x", 30)
+    both = {a.public_key, b.public_key}  # two coordinators that trust each other's leases
+    held = try_acquire(store, a, "run-x", 30, trusted=both)
     assert held and held.lease.term == 1
-    assert try_acquire(store, b, "run-x", 30) is None  # live lease: b loses
-    stolen = try_acquire(store, b, "run-x", 30, now=time.time() + 60)  # after expiry: b takes over, term+1
+    assert try_acquire(store, b, "run-x", 30, trusted=both) is None  # live lease: b loses
+    # after expiry: b takes over, term + 1
+    stolen = try_acquire(store, b, "run-x", 30, now=time.time() + 60, trusted=both)
     assert stolen and stolen.lease.term == 2
     assert renew(store, a, held, 30) is None  # a's stale ETag: deposed
 

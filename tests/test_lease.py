@@ -1,0 +1,78 @@
+"""Lease fencing (issue 10 finding 4) against the real S3 server: terms strictly increase, a live lease is
+respected whoever holds it, and forged, garbage or absurd lease objects neither block nor reset the term."""
+
+from __future__ import annotations
+
+import time
+import uuid
+
+import pytest
+
+from coordinator.lease import MAX_LEASE_S, renew, try_acquire
+from protocol import keys
+from protocol.envelope import seal
+from protocol.identity import Identity
+from protocol.messages import Lease
+from protocol.store import ObjectStore, StoreConfig
+
+OPERATOR = Identity.from_seed(bytes([7]) * 32)  # coordinators sign with one trusted key
+
+
+@pytest.fixture(scope="module")
+def store(moto_store: str) -> ObjectStore:
+    s = ObjectStore(StoreConfig(endpoint_url=moto_store, bucket="lease-fencing"))
+    s.ensure_bucket()
+    return s
+
+
+def run_id() -> str:
+    return f"run-{uuid.uuid4().hex[:8]}"
+
+
+def test_a_second_process_with_the_same_key_does_not_share_a_live_lease(store: ObjectStore) -> None:
+    rid = run_id()
+    first = try_acquire(store, OPERATOR, rid, 30)
+    assert first is not None and first.lease.term == 1
+    assert try_acquire(store, OPERATOR, rid, 30) is None  # same key, other process: the lease is live
+    assert renew(store, OPERATOR, first, 30) is not None  # the holder keeps renewing at its term
+
+
+def test_a_takeover_after_a_crash_is_a_new_term(store: ObjectStore) -> None:
+    rid = run_id()
+    crashed = try_acquire(store, OPERATOR, rid, 30)
+    assert crashed is not None
+    later = try_acquire(store, OPERATOR, rid, 30, now=time.time() + 60)  # same key restarted, lease expired
+    assert later is not None and later.lease.term == crashed.lease.term + 1
+    assert renew(store, OPERATOR, crashed, 30) is None  # the crashed incarnation is fenced off
+
+
+def test_a_stranger_s_lease_blocks_nothing(store: ObjectStore) -> None:
+    """Anyone with store credentials could write a lease expiring in the year 30,000 (the schema now caps
+    expiries; this one is in 2255)."""
+    rid = run_id()
+    stranger = Identity.generate()
+    forged = Lease(run_id=rid, term=5, holder=stranger.peer_id, expires_at=9e9)  # year 2255
+    store.put(keys.lease_key(rid), seal(stranger, forged))
+    held = try_acquire(store, OPERATOR, rid, 30)
+    assert held is not None and held.lease.holder == OPERATOR.peer_id
+
+
+def test_a_trusted_lease_claiming_the_far_future_is_not_believed(store: ObjectStore) -> None:
+    rid = run_id()
+    absurd = Lease(run_id=rid, term=3, holder=OPERATOR.peer_id, expires_at=time.time() + 10 * MAX_LEASE_S)
+    store.put(keys.lease_key(rid), seal(OPERATOR, absurd))
+    held = try_acquire(store, OPERATOR, rid, 30)
+    assert held is not None and held.lease.term == 4
+
+
+def test_a_garbage_lease_object_does_not_reset_the_term(store: ObjectStore) -> None:
+    rid = run_id()
+    held = try_acquire(store, OPERATOR, rid, 30)
+    assert held is not None
+    store.put(keys.assign_key(rid, 7, 1), b"assignments of term 7")  # a holder that reached term 7
+    store.put(keys.lease_key(rid), b"\x00garbage")
+    taken = try_acquire(store, OPERATOR, rid, 30)
+    assert taken is not None and taken.lease.term == 8  # above every term already used, not back to 1
+    store.put(keys.lease_key(rid), b"x" * (1 << 20))  # an oversized object is overwritten unread
+    again = try_acquire(store, OPERATOR, rid, 30)
+    assert again is not None and again.lease.term == 9

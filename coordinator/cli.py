@@ -2,7 +2,7 @@
 
 crucible-coordinator serve  --bootstrap MA --store-endpoint URL --operator-key-file KEY
 crucible-coordinator launch run.toml --bootstrap MA --store-endpoint URL --operator-key-file KEY [--watch]
-crucible-coordinator status [RUN] --bootstrap MA
+crucible-coordinator status [RUN] --bootstrap MA --operator-key 12D3KooW...
 crucible-coordinator stop RUN --bootstrap MA --store-endpoint URL --operator-key-file KEY
 crucible-coordinator plan --model 8b --pool pool.toml
 """
@@ -18,7 +18,7 @@ from pathlib import Path
 
 from protocol import keys
 from protocol.dht_client import EXAMPLE_MULTIADDR, BootstrapError, DHTClient, validate_multiaddr
-from protocol.identity import Identity
+from protocol.identity import Identity, SignatureError, public_key_of_peer_id
 from protocol.messages import NodeAdvert, RunRecord
 from protocol.runspec import load_run_spec
 from protocol.store import ObjectStore, StoreConfig, StoreError
@@ -84,6 +84,13 @@ def build_parser() -> argparse.ArgumentParser:
 
     st = sub.add_parser("status", help="show runs and nodes")
     st.add_argument("run_id", nargs="?", help="only this run")
+    st.add_argument(
+        "--operator-key",
+        default="",
+        metavar="PEER_ID",
+        help="peer id (12D3KooW...) of the operator: show only run records it signed; without it, run "
+        "records signed by any key are shown, marked unverified",
+    )
     _swarm_args(st, store=False, key=False)
 
     sp = sub.add_parser("stop", help="stop a run (nodes finish their current step and go idle)")
@@ -117,15 +124,29 @@ def _operator(args: argparse.Namespace) -> Identity:
     return Identity.load_or_create(Path(args.operator_key_file).expanduser())
 
 
-def format_status(runs: dict[str, RunRecord], nodes: dict[str, NodeAdvert], only: str | None = None) -> str:
-    lines = []
+UNVERIFIED_NOTE = (
+    "note: no --operator-key given: run records signed by ANY key are shown (marked signer=... unverified); "
+    "pass --operator-key 12D3KooW... to show only the operator's"
+)
+
+
+def format_status(
+    runs: dict[str, RunRecord],
+    nodes: dict[str, NodeAdvert],
+    only: str | None = None,
+    signers: dict[str, str] | None = None,
+) -> str:
+    """The status table. `signers` (run id -> signer peer id) is given when the run records were not
+    checked against the operator key: each run line then names its signer, and a note says so."""
+    lines = [UNVERIFIED_NOTE] if signers is not None else []
     for rid, rec in sorted(runs.items()):
         if only and rid != only:
             continue
         sp = rec.spec
+        unverified = f"  signer={signers.get(rid, '?')[-8:]} (unverified)" if signers is not None else ""
         lines.append(
             f"run {rid}: {rec.state}  {sp.replicas}x{sp.stages}  {sp.train.total_steps} steps  H={sp.sync.H}  "
-            f"sync={sp.sync.method}  term={rec.term}  coordinator={rec.coordinator[-8:] or '-'}"
+            f"sync={sp.sync.method}  term={rec.term}  coordinator={rec.coordinator[-8:] or '-'}{unverified}"
         )
     if only and not lines:
         lines.append(
@@ -148,14 +169,31 @@ def format_status(runs: dict[str, RunRecord], nodes: dict[str, NodeAdvert], only
     return "\n".join(lines)
 
 
-def _read_views(dht: DHTClient) -> tuple[dict[str, RunRecord], dict[str, NodeAdvert]]:
+def _read_views(
+    dht: DHTClient, trusted: set[bytes] | None
+) -> tuple[dict[str, RunRecord], dict[str, NodeAdvert], dict[str, str]]:
+    """Run records (signed by a `trusted` key; any signer if None), node adverts (each signed by the node
+    it describes), and the signer of each run record shown."""
     runs: dict[str, RunRecord] = {}
-    for signed in dht.get_all(keys.RUNS_KEY, RunRecord).values():
+    signers: dict[str, str] = {}
+    for signed in dht.get_all(keys.RUNS_KEY, RunRecord, trusted).values():
         rec = signed.body
         if rec.spec.run_id not in runs or rec.updated > runs[rec.spec.run_id].updated:
             runs[rec.spec.run_id] = rec
-    nodes = {k: v.body for k, v in dht.get_all(keys.NODES_KEY, NodeAdvert).items() if v.signer_id == k}
-    return runs, nodes
+            signers[rec.spec.run_id] = signed.signer_id
+    nodes = {
+        k: v.body
+        for k, v in dht.get_all(keys.NODES_KEY, NodeAdvert).items()
+        if v.signer_id == k == v.body.peer_id
+    }
+    return runs, nodes, signers
+
+
+def _trusted_operator(peer_id: str) -> set[bytes]:
+    try:
+        return {public_key_of_peer_id(peer_id)}
+    except SignatureError as e:
+        raise ValueError(f"--operator-key: {e} (give the operator's 12D3KooW... peer id)") from e
 
 
 def cmd_serve(args: argparse.Namespace) -> int:
@@ -190,8 +228,8 @@ def cmd_launch(args: argparse.Namespace) -> int:
             flush=True,
         )
         if args.watch:
-            while True:
-                runs, nodes = _read_views(dht)
+            while True:  # run records count only when signed by this operator (its coordinators sign so)
+                runs, nodes, _ = _read_views(dht, {ident.public_key})
                 print(format_status(runs, nodes, spec.run_id), flush=True)
                 rec = runs.get(spec.run_id)
                 if rec and rec.state in ("done", "stopped", "failed"):
@@ -203,10 +241,11 @@ def cmd_launch(args: argparse.Namespace) -> int:
 
 
 def cmd_status(args: argparse.Namespace) -> int:
+    trusted = _trusted_operator(args.operator_key) if args.operator_key else None
     dht = _dht(args)
     try:
-        runs, nodes = _read_views(dht)
-        print(format_status(runs, nodes, args.run_id))
+        runs, nodes, signers = _read_views(dht, trusted)
+        print(format_status(runs, nodes, args.run_id, signers=None if trusted else signers))
     finally:
         dht.shutdown()
     return 0

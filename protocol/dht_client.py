@@ -1,11 +1,17 @@
-"""Thin client over hivemind's DHT for the records both roles use (signed envelopes, with TTLs)."""
+"""Thin client over hivemind's DHT for the records both roles use (signed envelopes, with TTLs).
+
+Reading is safe against hostile records: `get_all` drops every record that fails a check (its envelope,
+signature, signer, schema, ranges or expiry) and counts it in `rejected`; it never raises for one record,
+so a bad record cannot halt a coordinator's tick or a node's poll, which serve everyone else's records.
+"""
 
 from __future__ import annotations
 
 import logging
 import tempfile
+from collections import Counter
 from pathlib import Path
-from typing import TypeVar
+from typing import Any, TypeVar
 
 import hivemind
 from hivemind.utils import get_dht_time
@@ -13,16 +19,31 @@ from multiaddr import Multiaddr
 
 from protocol.dht_validator import SignedSubkeyValidator, subkey_owner
 from protocol.envelope import Signed, open_envelope, seal
-from protocol.identity import Identity
-from protocol.schema import ProtocolError
+from protocol.identity import Identity, SignatureError
+from protocol.schema import ProtocolError, describe
 
 log = logging.getLogger(__name__)
 T = TypeVar("T")
 EXAMPLE_MULTIADDR = "/ip4/203.0.113.7/tcp/31337/p2p/12D3KooWDpJ7As7BWAwRMfu1VU2WCqNjvq387JEYKDBj4kx6nXTN"
 
 
+RECORD_ERRORS: tuple[type[Exception], ...] = (
+    ProtocolError,  # SchemaError, VersionError, UntrustedSigner, RecordError
+    SignatureError,
+    ValueError,
+    TypeError,
+    RecursionError,
+)
+"""What reading one hostile record may raise; `get_all` catches these per record."""
+_WARNED_MAX = 4096
+
+
 class BootstrapError(ProtocolError):
     """A bootstrap address is malformed or unreachable."""
+
+
+class RecordError(ProtocolError):
+    """A DHT record's envelope is valid but the record is not: wrong subkey, or it outlives its signed expiry."""
 
 
 def validate_multiaddr(addr: str) -> str:
@@ -57,6 +78,9 @@ class DHTClient:
     ) -> None:
         peers = [validate_multiaddr(a) for a in bootstrap or []]
         self.identity = identity
+        self.rejected: Counter[str] = Counter()
+        """Records `get_all` dropped, by error type (e.g. "SchemaError", "SignatureError")."""
+        self._warned: set[tuple[str, str]] = set()
         self._key_dir = tempfile.TemporaryDirectory(prefix="crucible-key-")
         key_path = Path(self._key_dir.name) / "libp2p.key"
         identity.write_libp2p_key(key_path)
@@ -95,35 +119,64 @@ class DHTClient:
     def publish(
         self, key: str, body: object, ttl_s: float, *, signer: Identity | None = None, name: str = ""
     ) -> bool:
-        """Sign `body` (with `signer`, default this peer) and store it until now + ttl_s under the subkey
-        `name@SIGNER` (or `SIGNER`): only the signer can write there (SignedSubkeyValidator)."""
+        """Sign `body` (with `signer`, default this peer) with the expiry now + ttl_s, and store it until then
+        under the subkey `name@SIGNER` (or `SIGNER`): only the signer can write there, and no copy can
+        outlive the signed expiry (SignedSubkeyValidator)."""
         ident = signer or self.identity
         subkey = f"{name}@{ident.peer_id}" if name else ident.peer_id
-        data = seal(ident, body)
-        return bool(self.dht.store(key, data, expiration_time=get_dht_time() + ttl_s, subkey=subkey))
+        expires_at = float(get_dht_time()) + ttl_s
+        data = seal(ident, body, expires_at=expires_at)
+        return bool(self.dht.store(key, data, expiration_time=expires_at, subkey=subkey))
 
     def get_all(self, key: str, cls: type[T], trusted: set[bytes] | None = None) -> dict[str, Signed[T]]:
-        """All valid signed records under `key`, by subkey; invalid ones are logged and skipped."""
+        """All valid signed records under `key`, by subkey (signed by `trusted` keys, if given).
+
+        Invalid records are dropped, counted in `rejected` and logged (a warning the first time a subkey
+        fails, debug after that); none raises. Errors reaching the DHT itself do raise."""
         found = self.dht.get(key, latest=True)
-        if found is None or not isinstance(found.value, dict):
+        if found is None:
+            return {}
+        if not isinstance(found.value, dict):
+            self._reject(key, None, RecordError("a plain value where a dictionary of signed records belongs"))
             return {}
         out: dict[str, Signed[T]] = {}
         for subkey, item in found.value.items():
             try:
-                signed = open_envelope(item.value, cls, trusted)
-            except ProtocolError as e:
-                log.warning("ignoring DHT record %s/%s: %s", key, subkey, e)
-                continue
-            if subkey_owner(subkey) != signed.signer_id:
-                log.warning(
-                    "ignoring DHT record %s/%s: signed by %s, not the subkey's owner",
-                    key,
-                    subkey,
-                    signed.signer_id,
-                )
-                continue
-            out[str(subkey)] = signed
+                out[subkey] = self._open(subkey, item, cls, trusted)
+            except RECORD_ERRORS as e:
+                self._reject(key, subkey, e)
         return out
+
+    @staticmethod
+    def _open(subkey: object, item: Any, cls: type[T], trusted: set[bytes] | None) -> Signed[T]:
+        signed = open_envelope(item.value, cls, trusted)
+        if subkey_owner(subkey) != signed.signer_id:
+            raise RecordError(f"signed by {signed.signer_id}, not by the peer its subkey names")
+        exp = item.expiration_time
+        if signed.expires_at is None or not exp <= signed.expires_at:
+            raise RecordError(
+                f"DHT expiration {describe(exp)} lies beyond the signed expiry {describe(signed.expires_at)}"
+            )
+        return signed
+
+    def _reject(self, key: str, subkey: object, error: BaseException) -> None:
+        self.rejected[type(error).__name__] += 1
+        shown = describe(subkey, limit=80)
+        text = str(error)
+        reason = text if len(text) <= 300 else f"{text[:300]}... ({len(text)} chars)"
+        first = (key, shown) not in self._warned
+        if first:
+            if len(self._warned) >= _WARNED_MAX:
+                self._warned.clear()
+            self._warned.add((key, shown))
+        log.log(
+            logging.WARNING if first else logging.DEBUG,
+            "ignoring DHT record %s/%s: %s: %s",
+            key,
+            shown,
+            type(error).__name__,
+            reason,
+        )
 
     def shutdown(self) -> None:
         try:

@@ -1,12 +1,21 @@
 """Versioned, signed message envelope.
 
 Wire form (msgpack): {"v": version, "kind": str, "signer": 32-byte Ed25519 public key,
-"payload": msgpack(body), "sig": Ed25519(signer, DOMAIN + kind + payload)}.
-The signature covers the exact payload bytes, so no canonical re-encoding is needed to verify.
+"payload": msgpack(body), "sig": signature} plus, for records with a lifetime (DHT records),
+"exp": the DHT time (float seconds) after which the record is void.
+
+The signature covers the version, the kind, the expiry and the exact payload bytes, so no canonical
+re-encoding of the body is needed to verify:
+    without exp: Ed25519(signer, b"crucible/envelope/v{v}\\0" + kind + payload)
+    with exp:    Ed25519(signer, b"crucible/envelope/v{v}/exp\\0" + float64_be(exp) + kind + payload)
+The two domains differ in their 21st byte, so a signature made for one form never verifies as the other,
+and changing `v` changes the signed bytes.
 """
 
 from __future__ import annotations
 
+import math
+import struct
 from dataclasses import dataclass
 from typing import Any, Generic, TypeVar
 
@@ -17,12 +26,14 @@ from protocol.schema import (  # the errors live in schema, so codecs need no cr
     SchemaError,
     UntrustedSigner,
     VersionError,
+    describe,
     from_dict,
     to_dict,
 )
 
 PROTOCOL_VERSION = 1
 _DOMAIN = b"crucible/envelope/v1\x00"
+"""The signed prefix of a version-1 envelope without an expiry (see `signed_bytes`)."""
 MAX_ENVELOPE_BYTES = 16 * 1024 * 1024
 
 T = TypeVar("T")
@@ -30,42 +41,97 @@ T = TypeVar("T")
 
 @dataclass(frozen=True)
 class Signed(Generic[T]):
-    """A verified message body and who signed it."""
+    """A verified message body, who signed it, and until when (the signed expiry; None = no expiry)."""
 
     body: T
     signer: bytes
+    expires_at: float | None = None
 
     @property
     def signer_id(self) -> str:
         return peer_id_of(self.signer)
 
 
+@dataclass(frozen=True)
+class Header:
+    """An envelope whose signature verified, before its body is decoded."""
+
+    kind: str
+    signer: bytes
+    payload: bytes
+    expires_at: float | None
+
+
 def kind_of(cls: type) -> str:
     return cls.__name__
 
 
-def seal(identity: Identity, body: Any) -> bytes:
-    """Sign a message dataclass and pack it into an envelope."""
-    kind = kind_of(type(body))
-    payload = msgpack.packb(to_dict(body), use_bin_type=True)
-    sig = identity.sign(_DOMAIN + kind.encode() + payload)
-    return msgpack.packb(
-        {"v": PROTOCOL_VERSION, "kind": kind, "signer": identity.public_key, "payload": payload, "sig": sig},
-        use_bin_type=True,
+def signed_bytes(version: int, kind: str, expires_at: float | None, payload: bytes) -> bytes:
+    """The bytes an envelope's signature covers (module docstring)."""
+    if expires_at is None:
+        return b"crucible/envelope/v%d\x00" % version + kind.encode() + payload
+    return (
+        b"crucible/envelope/v%d/exp\x00" % version + struct.pack(">d", expires_at) + kind.encode() + payload
     )
 
 
-def verified_signer(data: bytes) -> bytes:
-    """Check an envelope's signature (not its body's schema); return the signer's public key."""
-    env = msgpack.unpackb(data, raw=False)
-    if not isinstance(env, dict) or not all(
-        isinstance(env.get(f), bytes) for f in ("signer", "payload", "sig")
-    ):
-        raise SchemaError("envelope: missing signer, payload or sig")
-    if not isinstance(env.get("kind"), str):
-        raise SchemaError("envelope.kind: expected str")
-    verify(env["signer"], _DOMAIN + env["kind"].encode() + env["payload"], env["sig"])
-    return bytes(env["signer"])
+def seal_payload(identity: Identity, kind: str, payload: bytes, *, expires_at: float | None = None) -> bytes:
+    """Sign already-packed payload bytes as a `kind` message (what `seal` does after packing the body)."""
+    env: dict[str, Any] = {
+        "v": PROTOCOL_VERSION,
+        "kind": kind,
+        "signer": identity.public_key,
+        "payload": payload,
+    }
+    if expires_at is not None:
+        expires_at = float(expires_at)
+        if not math.isfinite(expires_at):
+            raise ValueError(f"envelope expiry must be a finite DHT time, got {describe(expires_at)}")
+        env["exp"] = expires_at
+    env["sig"] = identity.sign(signed_bytes(PROTOCOL_VERSION, kind, expires_at, payload))
+    return msgpack.packb(env, use_bin_type=True)
+
+
+def seal(identity: Identity, body: Any, *, expires_at: float | None = None) -> bytes:
+    """Sign a message dataclass and pack it into an envelope; `expires_at` (DHT time) is signed with it."""
+    payload = msgpack.packb(to_dict(body), use_bin_type=True)
+    return seal_payload(identity, kind_of(type(body)), payload, expires_at=expires_at)
+
+
+def verified_header(data: object, max_bytes: int = MAX_ENVELOPE_BYTES) -> Header:
+    """Parse an envelope and check its version and signature (not its body's schema).
+
+    Raises VersionError / SchemaError (ProtocolError) or SignatureError, with the reason."""
+    if not isinstance(data, (bytes, bytearray, memoryview)):
+        raise SchemaError(f"envelope: expected bytes, got {describe(data)}")
+    if len(data) > max_bytes:
+        raise SchemaError(f"envelope: {len(data)} bytes exceeds the {max_bytes}-byte limit")
+    try:
+        env = msgpack.unpackb(data, raw=False, strict_map_key=True)
+    except Exception as e:  # msgpack raises several unrelated types on garbage
+        raise SchemaError(f"envelope: not valid msgpack ({type(e).__name__}: {str(e)[:80]})") from e
+    if not isinstance(env, dict):
+        raise SchemaError(f"envelope: expected a map at the top level, got {describe(env)}")
+    version = env.get("v")
+    if type(version) is not int or version != PROTOCOL_VERSION:
+        raise VersionError(
+            f"envelope: protocol version {describe(version)}, this build speaks {PROTOCOL_VERSION}; "
+            "upgrade the older side"
+        )
+    for field, tp in (("kind", str), ("signer", bytes), ("payload", bytes), ("sig", bytes)):
+        if not isinstance(env.get(field), tp):
+            raise SchemaError(f"envelope.{field}: expected {tp.__name__}, got {describe(env.get(field))}")
+    if len(env["kind"]) > 64:
+        raise SchemaError(f"envelope.kind: {describe(env['kind'])} is not a message kind")
+    exp = env.get("exp")
+    if exp is not None and (type(exp) is not float or not math.isfinite(exp)):
+        raise SchemaError(f"envelope.exp: expected a finite float DHT time, got {describe(exp)}")
+    unknown = set(env) - {"v", "kind", "signer", "payload", "sig", "exp"}
+    if unknown:
+        raise SchemaError(f"envelope: unknown field(s) {', '.join(describe(k) for k in list(unknown)[:5])}")
+    signer: bytes = env["signer"]
+    verify(signer, signed_bytes(version, env["kind"], exp, env["payload"]), env["sig"])
+    return Header(kind=env["kind"], signer=signer, payload=env["payload"], expires_at=exp)
 
 
 def open_envelope(
@@ -74,52 +140,37 @@ def open_envelope(
     """Verify and decode an envelope holding a `cls` message.
 
     trusted: if given, the signer's public key must be in it (e.g. the operator key for assignments).
-    Raises VersionError / SchemaError / SignatureError / UntrustedSigner (all ProtocolError) with the reason.
+    Raises VersionError / SchemaError / SignatureError / UntrustedSigner with the reason: all ValueErrors,
+    all but SignatureError ProtocolErrors.
     """
-    if not isinstance(data, (bytes, bytearray, memoryview)):
-        raise SchemaError(f"envelope: expected bytes, got {type(data).__name__}")
-    if len(data) > max_bytes:
-        raise SchemaError(f"envelope: {len(data)} bytes exceeds the {max_bytes}-byte limit")
-    try:
-        env = msgpack.unpackb(data, raw=False, strict_map_key=True)
-    except Exception as e:  # msgpack raises several unrelated types on garbage
-        raise SchemaError(f"envelope: not valid msgpack ({e})") from e
-    if not isinstance(env, dict):
-        raise SchemaError("envelope: expected a map at the top level")
-    version = env.get("v")
-    if version != PROTOCOL_VERSION:
-        raise VersionError(
-            f"envelope: protocol version {version!r}, this build speaks {PROTOCOL_VERSION}; "
-            "upgrade the older side"
-        )
-    for field, tp in (("kind", str), ("signer", bytes), ("payload", bytes), ("sig", bytes)):
-        if not isinstance(env.get(field), tp):
-            raise SchemaError(
-                f"envelope.{field}: expected {tp.__name__}, got {type(env.get(field)).__name__}"
-            )
+    header = verified_header(data, max_bytes)
     expected = kind_of(cls)
-    if env["kind"] != expected:
-        raise SchemaError(f"envelope.kind: expected {expected!r}, got {env['kind']!r}")
-    signer: bytes = env["signer"]
-    verify(signer, _DOMAIN + env["kind"].encode() + env["payload"], env["sig"])
-    if trusted is not None and signer not in trusted:
+    if header.kind != expected:
+        raise SchemaError(f"envelope.kind: expected {expected!r}, got {describe(header.kind)}")
+    if trusted is not None and header.signer not in trusted:
         raise UntrustedSigner(
-            f"{expected} signed by {peer_id_of(signer)}, which is not a trusted key for it; "
+            f"{expected} signed by {peer_id_of(header.signer)}, which is not a trusted key for it; "
             "check the --operator-key the node was started with"
         )
     try:
-        body = msgpack.unpackb(env["payload"], raw=False, strict_map_key=True)
+        body = msgpack.unpackb(header.payload, raw=False, strict_map_key=True)
     except Exception as e:
-        raise SchemaError(f"{expected}: payload is not valid msgpack ({e})") from e
-    return Signed(from_dict(cls, body), signer)
+        raise SchemaError(
+            f"{expected}: payload is not valid msgpack ({type(e).__name__}: {str(e)[:80]})"
+        ) from e
+    return Signed(from_dict(cls, body), header.signer, header.expires_at)
 
 
 __all__ = [
     "PROTOCOL_VERSION",
+    "Header",
     "Signed",
     "SignatureError",
     "UntrustedSigner",
     "VersionError",
     "open_envelope",
     "seal",
+    "seal_payload",
+    "signed_bytes",
+    "verified_header",
 ]

@@ -1,11 +1,46 @@
-"""Message bodies every participant shares. Each travels inside a signed envelope (protocol.envelope)."""
+"""Message bodies every participant shares. Each travels inside a signed envelope (protocol.envelope).
+
+Every body checks its fields in `__post_init__` (so a decoded message and one built in code obey the same
+rules): floats are finite (a diverged run's `loss` and `val_bpb` excepted), ports are ports, counts are not
+negative, and measured figures stay below what one node can physically have (`MAX_*`): a peer claiming
+1e308 TFLOP/s is rejected, not ranked first.
+"""
 
 from __future__ import annotations
 
 from dataclasses import dataclass, field
 from typing import Literal
 
-from protocol.runspec import RunSpec
+from protocol.runspec import RunSpec, check_run_id
+from protocol.schema import NONFINITE_OK, check_finite, check_range, describe
+
+MAX_PORT = 65535
+MAX_COUNT = 2**63 - 1
+"""Terms, epochs, steps and byte counters: non-negative 64-bit integers."""
+MAX_TIME_S = 1e10
+"""Unix times (DHT time, seconds) lie in [0, 1e10], i.e. before the year 2286."""
+MAX_TFLOPS = 1e5
+"""Per node, any dtype: about a hundred of today's fastest accelerators' dense bf16 peak."""
+MAX_MEMORY_GB = 1e5
+"""GB of accelerator memory or RAM on one node."""
+MAX_PRICE_PER_HOUR = 1e5
+"""USD per hour for one node."""
+MAX_MBPS = 1e7
+"""10 Tbit/s: more than any network link a node has."""
+MAX_RTT_MS = 1e6
+"""Round trips longer than 1000 s are not measurements."""
+MAX_TEXT = 256
+"""Peer ids, hosts, device and version strings."""
+
+
+def _check_text(where: str, value: str, *, empty_ok: bool = True) -> None:
+    if len(value) > MAX_TEXT or (not value and not empty_ok):
+        raise ValueError(f"{where}={describe(value)} must be {0 if empty_ok else 1}-{MAX_TEXT} characters")
+
+
+def _check_port(where: str, port: int) -> None:
+    check_range(where, port, 0, MAX_PORT)
+
 
 NodeState = Literal["idle", "assigned", "training", "done", "failed"]
 RunState = Literal["pending", "running", "stopping", "stopped", "done", "failed"]
@@ -18,6 +53,11 @@ class Endpoint:
     peer_id: str
     host: str
     port: int
+
+    def __post_init__(self) -> None:
+        _check_text("Endpoint.peer_id", self.peer_id, empty_ok=False)
+        _check_text("Endpoint.host", self.host, empty_ok=False)
+        _check_port("Endpoint.port", self.port)
 
 
 @dataclass(kw_only=True, frozen=True)
@@ -61,14 +101,42 @@ class NodeAdvert:
     epoch: int = 0
     """Epoch of the assignment the state refers to (the coordinator ignores reports on older ones)."""
     step: int = 0
-    loss: float | None = None
-    val_bpb: float | None = None
+    loss: float | None = field(default=None, metadata=NONFINITE_OK)
+    """Last training loss (NaN or inf when the run diverged: reported as it is)."""
+    val_bpb: float | None = field(default=None, metadata=NONFINITE_OK)
     tokens_per_s: float = 0.0
     bytes_pipe: int = 0
     """Pipeline bytes sent + received so far in the current run."""
     bytes_store: int = 0
     """Object-store bytes uploaded + downloaded so far in the current run."""
     timestamp: float = 0.0
+
+    def __post_init__(self) -> None:
+        check_finite(self)
+        for name in ("peer_id", "version", "device", "host"):
+            _check_text(f"NodeAdvert.{name}", getattr(self, name), empty_ok=name in ("version", "device"))
+        for name in ("memory_gb", "free_memory_gb"):
+            check_range(f"NodeAdvert.{name}", getattr(self, name), 0, MAX_MEMORY_GB)
+        for name in ("tflops", "tflops_fp32", "tflops_bf16"):
+            check_range(f"NodeAdvert.{name}", getattr(self, name), 0, MAX_TFLOPS)
+        check_range("NodeAdvert.price_per_hour", self.price_per_hour, 0, MAX_PRICE_PER_HOUR)
+        _check_port("NodeAdvert.port", self.port)
+        _check_port("NodeAdvert.health_port", self.health_port)
+        check_range("NodeAdvert.store_mbps", self.store_mbps, 0, MAX_MBPS)
+        for peer, mbps in self.peer_mbps.items():
+            _check_text("NodeAdvert.peer_mbps key", peer)
+            check_range(f"NodeAdvert.peer_mbps[{describe(peer)}]", mbps, 0, MAX_MBPS)
+        for peer, ms in self.peer_rtt_ms.items():
+            _check_text("NodeAdvert.peer_rtt_ms key", peer)
+            check_range(f"NodeAdvert.peer_rtt_ms[{describe(peer)}]", ms, 0, MAX_RTT_MS)
+        if self.run_id:
+            check_run_id("NodeAdvert.run_id", self.run_id)
+        for name in ("replica", "stage"):
+            check_range(f"NodeAdvert.{name}", getattr(self, name), -1, MAX_COUNT)
+        for name in ("epoch", "step", "bytes_pipe", "bytes_store"):
+            check_range(f"NodeAdvert.{name}", getattr(self, name), 0, MAX_COUNT)
+        check_range("NodeAdvert.tokens_per_s", self.tokens_per_s, 0, None)
+        check_range("NodeAdvert.timestamp", self.timestamp, 0, MAX_TIME_S)
 
     @property
     def endpoint(self) -> Endpoint:
@@ -85,6 +153,11 @@ class RunRecord:
     coordinator: str = ""
     """Peer id of the coordinator holding the run's lease."""
     updated: float = 0.0
+
+    def __post_init__(self) -> None:
+        check_range("RunRecord.term", self.term, 0, MAX_COUNT)
+        _check_text("RunRecord.coordinator", self.coordinator)
+        check_range("RunRecord.updated", self.updated, 0, MAX_TIME_S)
 
 
 @dataclass(kw_only=True, frozen=True)
@@ -114,6 +187,35 @@ class Assignment:
     churn): the first stage picks that step and passes it downstream in its Hello."""
     issued_at: float = 0.0
 
+    def __post_init__(self) -> None:
+        check_run_id("Assignment.run_id", self.run_id)
+        if self.run_id != self.spec.run_id:
+            raise ValueError(
+                f"Assignment.run_id={describe(self.run_id)} must equal its spec's run_id "
+                f"{describe(self.spec.run_id)}"
+            )
+        check_range("Assignment.term", self.term, 0, MAX_COUNT)
+        check_range("Assignment.epoch", self.epoch, 0, MAX_COUNT)
+        _check_text("Assignment.peer_id", self.peer_id, empty_ok=False)
+        check_range("Assignment.replica", self.replica, -1, self.spec.replicas - 1)
+        check_range("Assignment.stage", self.stage, -1, self.spec.stages - 1)  # -1: released
+        if self.stage >= 0 and not (
+            len(self.layers) == 2 and 0 <= self.layers[0] < self.layers[1] <= self.spec.model.n_layers
+        ):
+            raise ValueError(
+                f"Assignment.layers must be [start, end) with 0 <= start < end <= model.n_layers="
+                f"{self.spec.model.n_layers}, got {describe(self.layers)}"
+            )
+        for r, peer in self.stage_peers.items():
+            if not (r.isdecimal() and len(r) <= 6 and int(r) < self.spec.replicas):
+                raise ValueError(
+                    f"Assignment.stage_peers key {describe(r)} must be a replica index below "
+                    f"replicas={self.spec.replicas}"
+                )
+            _check_text(f"Assignment.stage_peers[{r}]", peer, empty_ok=False)
+        check_range("Assignment.start_step", self.start_step, -1, MAX_COUNT)
+        check_range("Assignment.issued_at", self.issued_at, 0, MAX_TIME_S)
+
 
 @dataclass(kw_only=True, frozen=True)
 class Lease:
@@ -124,6 +226,12 @@ class Lease:
     holder: str
     expires_at: float
 
+    def __post_init__(self) -> None:
+        check_run_id("Lease.run_id", self.run_id)
+        check_range("Lease.term", self.term, 0, MAX_COUNT)
+        _check_text("Lease.holder", self.holder)
+        check_range("Lease.expires_at", self.expires_at, 0, MAX_TIME_S)
+
 
 @dataclass(kw_only=True, frozen=True)
 class RunControl:
@@ -132,6 +240,10 @@ class RunControl:
     run_id: str
     action: Literal["stop"]
     issued_at: float
+
+    def __post_init__(self) -> None:
+        check_run_id("RunControl.run_id", self.run_id)
+        check_range("RunControl.issued_at", self.issued_at, 0, MAX_TIME_S)
 
 
 @dataclass(kw_only=True, frozen=True)
@@ -146,3 +258,15 @@ class Hello:
     peer_id: str
     start_step: int = 0
     """The inner step the upstream stage starts from; downstream stages adopt it (resume after churn)."""
+    to_peer_id: str = ""
+    """The recipient's (downstream node's) peer id: a captured hello is refused by any other node."""
+    sent_at: float = 0.0
+    """Unix time the hello was signed: the recipient refuses one outside its skew window, or seen before."""
+
+    def __post_init__(self) -> None:
+        check_run_id("Hello.run_id", self.run_id)
+        for name in ("term", "epoch", "replica", "stage", "start_step"):
+            check_range(f"Hello.{name}", getattr(self, name), 0, MAX_COUNT)
+        _check_text("Hello.peer_id", self.peer_id, empty_ok=False)
+        _check_text("Hello.to_peer_id", self.to_peer_id)
+        check_range("Hello.sent_at", self.sent_at, 0, MAX_TIME_S)

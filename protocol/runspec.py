@@ -13,9 +13,35 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Literal
 
-from protocol.schema import SchemaError, from_dict
+from protocol.schema import SchemaError, check_finite, check_range, describe, from_dict
 
-_RUN_ID = re.compile(r"^[a-z0-9][a-z0-9-]{0,62}$")
+RUN_ID_PATTERN = re.compile(r"[a-z0-9][a-z0-9-]{0,62}")
+"""What a run id may be (matched whole with `fullmatch`: no trailing newline): a store prefix and DHT name."""
+MAX_SEED = 2**63 - 1
+"""Seeds are fed to torch and numpy generators, which take 64-bit values."""
+MAX_STEPS = 2**40
+"""More inner steps than any run will take (a trillion), far below where counters overflow."""
+
+
+def check_run_id(where: str, run_id: str) -> None:
+    """Raise ValueError unless `run_id` is 1-63 lowercase letters, digits or dashes (whole string)."""
+    if not RUN_ID_PATTERN.fullmatch(run_id):
+        raise ValueError(
+            f"{where}={describe(run_id)} must be 1-63 lowercase letters, digits or dashes, starting with a "
+            "letter or digit (example: tiny-llama-1)"
+        )
+
+
+_MODEL_BOUNDS = {
+    "vocab": 1 << 24,
+    "d_model": 1 << 17,
+    "n_layers": 1 << 12,
+    "n_heads": 1 << 12,
+    "d_ff": 1 << 20,
+    "seq_len": 1 << 20,
+}
+"""Upper bounds of the model's sizes: well beyond any model one swarm trains, small enough that the sizes
+cannot overflow an allocation computed from them."""
 
 
 @dataclass(kw_only=True, frozen=True)
@@ -40,9 +66,11 @@ class ModelSpec:
     """Seed of the initial weights; every replica starts from the same ones."""
 
     def __post_init__(self) -> None:
-        for name in ("vocab", "d_model", "n_layers", "n_heads", "d_ff", "seq_len"):
-            if getattr(self, name) <= 0:
-                raise ValueError(f"model.{name} must be positive, got {getattr(self, name)}")
+        check_finite(self)
+        for name, hi in _MODEL_BOUNDS.items():
+            check_range(f"model.{name}", getattr(self, name), 1, hi)
+        check_range("model.rope_theta", self.rope_theta, 1e-6, 1e12)
+        check_range("model.init_seed", self.init_seed, 0, MAX_SEED)
         if self.d_model % self.n_heads or (self.d_model // self.n_heads) % 2:
             raise ValueError(
                 f"model.d_model={self.d_model} must split into n_heads={self.n_heads} heads of even width (RoPE)"
@@ -87,16 +115,29 @@ class TrainSpec:
     sync (anchor, error feedback, aggregation) is fp32/float64 whatever this says."""
 
     def __post_init__(self) -> None:
+        check_finite(self)
         if self.total_steps <= 0 or self.batch_size <= 0 or self.microbatches <= 0:
             raise ValueError("train.total_steps, batch_size and microbatches must be positive")
+        check_range("train.total_steps", self.total_steps, 1, MAX_STEPS)
+        check_range("train.batch_size", self.batch_size, 1, 1 << 20)
+        check_range("train.lr", self.lr, 1e-12, 1e3)
+        check_range("train.warmup_steps", self.warmup_steps, 0, MAX_STEPS)
+        check_range("train.weight_decay", self.weight_decay, 0, 1e3)
+        check_range("train.grad_clip", self.grad_clip, 0, None)
+        check_range("train.data_seed", self.data_seed, 0, MAX_SEED)
+        check_range("train.eval_batches", self.eval_batches, 0, 1 << 20)
+        if not 1 <= len(self.data) <= 4096:
+            raise ValueError(
+                f'train.data={describe(self.data)} must be 1-4096 characters ("stdlib" or a path)'
+            )
         if self.batch_size % self.microbatches:
             raise ValueError(
                 f"train.batch_size={self.batch_size} must be divisible by microbatches={self.microbatches}"
             )
         if not 0 < self.val_fraction < 0.5:
-            raise ValueError(f"train.val_fraction must be in (0, 0.5), got {self.val_fraction}")
+            raise ValueError(f"train.val_fraction must be in (0, 0.5), got {describe(self.val_fraction)}")
         if self.precision not in ("auto", "fp32", "bf16"):
-            raise ValueError(f"train.precision={self.precision!r} must be 'auto', 'fp32' or 'bf16'")
+            raise ValueError(f"train.precision={describe(self.precision)} must be 'auto', 'fp32' or 'bf16'")
 
 
 @dataclass(kw_only=True, frozen=True)
@@ -133,16 +174,19 @@ class SyncSpec:
     """Scale every contribution whose L2 norm exceeds the median of the round's contributions down to it."""
 
     def __post_init__(self) -> None:
+        check_finite(self)
+        check_range("sync.H", self.H, 1, MAX_STEPS)
+        check_range("sync.timeout_s", self.timeout_s, 0, 1e6)
         if self.method not in ("diloco", "sparseloco"):
-            raise ValueError(f"sync.method={self.method!r} must be 'diloco' or 'sparseloco'")
+            raise ValueError(f"sync.method={describe(self.method)} must be 'diloco' or 'sparseloco'")
         if self.H <= 0 or self.P <= 0 or self.P > self.H:
             raise ValueError(f"sync.H={self.H} and sync.P={self.P} must satisfy 0 < P <= H")
         if not 0 <= self.tau < self.H:
             raise ValueError(f"sync.tau={self.tau} must satisfy 0 <= tau < H={self.H}")
-        if self.alpha <= 0:
-            raise ValueError(f"sync.alpha must be positive, got {self.alpha}")
+        if not 0 < self.alpha <= 1e3:
+            raise ValueError(f"sync.alpha={describe(self.alpha)} must be positive and at most 1000")
         if not 0 <= self.outer_momentum < 1:
-            raise ValueError(f"sync.outer_momentum={self.outer_momentum} must be in [0, 1)")
+            raise ValueError(f"sync.outer_momentum={describe(self.outer_momentum)} must be in [0, 1)")
         t = math.isqrt(max(self.chunk, 0))
         if not 1 <= self.chunk <= 65536 or t * t != self.chunk:
             raise ValueError(
@@ -151,9 +195,11 @@ class SyncSpec:
         if not 1 <= self.k <= self.chunk:
             raise ValueError(f"sync.k={self.k} must be in [1, chunk={self.chunk}]")
         if not 0 <= self.beta <= 1:
-            raise ValueError(f"sync.beta={self.beta} must be in [0, 1]")
+            raise ValueError(f"sync.beta={describe(self.beta)} must be in [0, 1]")
         if self.aggregation not in ("mean", "per_coordinate"):
-            raise ValueError(f"sync.aggregation={self.aggregation!r} must be 'mean' or 'per_coordinate'")
+            raise ValueError(
+                f"sync.aggregation={describe(self.aggregation)} must be 'mean' or 'per_coordinate'"
+            )
 
 
 @dataclass(kw_only=True, frozen=True)
@@ -176,6 +222,14 @@ class PipelineSpec:
     """Microbatches a non-last stage runs ahead beyond 1F1B's S-s-1, so link round trips hide behind
     compute (costs that many more microbatches of activations; 0 = plain 1F1B)."""
 
+    def __post_init__(self) -> None:
+        check_finite(self)
+        check_range("pipeline.projection_seed", self.projection_seed, 0, MAX_SEED)
+        check_range("pipeline.bandwidth_mbps", self.bandwidth_mbps, 0, 1e7)
+        check_range("pipeline.delay_ms", self.delay_ms, 0, 1e6)
+        check_range("pipeline.recv_timeout_s", self.recv_timeout_s, 0, 1e6)
+        check_range("pipeline.extra_in_flight", self.extra_in_flight, 0, 1 << 16)
+
 
 @dataclass(kw_only=True, frozen=True)
 class RunSpec:
@@ -195,12 +249,11 @@ class RunSpec:
     """Validate on the consensus weights every this many outer rounds (0 = only at start and end)."""
 
     def __post_init__(self) -> None:
-        if not _RUN_ID.match(self.run_id):
-            raise ValueError(
-                f"run_id {self.run_id!r} must be 1-63 lowercase letters, digits or dashes (example: tiny-llama-1)"
-            )
+        check_run_id("run_id", self.run_id)
         if self.replicas <= 0 or self.stages <= 0:
             raise ValueError(f"replicas={self.replicas} and stages={self.stages} must be positive")
+        check_range("replicas", self.replicas, 1, 1 << 16)
+        check_range("eval_every", self.eval_every, 0, MAX_STEPS)
         if self.stages > self.model.n_layers:
             raise ValueError(f"stages={self.stages} exceeds model.n_layers={self.model.n_layers}")
         if self.pipeline.link_k and len(self.pipeline.link_k) != self.stages - 1:
@@ -208,8 +261,6 @@ class RunSpec:
                 f"pipeline.link_k has {len(self.pipeline.link_k)} values; a {self.stages}-stage pipeline "
                 f"has {self.stages - 1} links"
             )
-        if self.pipeline.extra_in_flight < 0:
-            raise ValueError(f"pipeline.extra_in_flight must be >= 0, got {self.pipeline.extra_in_flight}")
         for k in self.pipeline.link_k:
             if not 0 < k <= self.model.d_model:
                 raise ValueError(f"pipeline.link_k value {k} must be in 1..d_model={self.model.d_model}")
@@ -243,4 +294,13 @@ def load_run_spec(path: str | Path, **overrides: Any) -> RunSpec:
         raise ValueError(f"{path}: {e}") from e
 
 
-__all__ = ["ModelSpec", "PipelineSpec", "RunSpec", "SyncSpec", "TrainSpec", "load_run_spec"]
+__all__ = [
+    "RUN_ID_PATTERN",
+    "ModelSpec",
+    "PipelineSpec",
+    "RunSpec",
+    "SyncSpec",
+    "TrainSpec",
+    "check_run_id",
+    "load_run_spec",
+]

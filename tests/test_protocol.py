@@ -114,11 +114,11 @@ def test_framing_limits_and_eof() -> None:
 
 def test_validator_only_lets_the_owner_write_its_subkey() -> None:
     owner, forger = Identity.generate(), Identity.generate()
-    v = SignedSubkeyValidator()
+    v = SignedSubkeyValidator(clock=lambda: 0.0)
 
     def rec(subkey: str, signer: Identity) -> DHTRecord:
-        value = msgpack.packb(seal(signer, _hello(signer)))
-        return DHTRecord(b"key", msgpack.packb(subkey), value, 0.0)
+        value = msgpack.packb(seal(signer, _hello(signer), expires_at=60.0))
+        return DHTRecord(b"key", msgpack.packb(subkey), value, 60.0)
 
     assert v.validate(rec(owner.peer_id, owner))
     assert v.validate(rec(f"run-1@{owner.peer_id}", owner))
@@ -126,7 +126,7 @@ def test_validator_only_lets_the_owner_write_its_subkey() -> None:
     assert not v.validate(rec(f"run-1@{owner.peer_id}", forger))
     junk = DHTRecord(b"key", msgpack.packb(owner.peer_id), msgpack.packb(b"junk"), 0.0)
     assert not v.validate(junk)
-    assert v.validate(rec("not-a-peer", forger))  # not a peer-owned subkey: left to the reader's checks
+    assert not v.validate(rec("not-a-peer", forger))  # a record no subkey ties to its signer is refused
     assert peer_id_of(owner.public_key) == owner.peer_id
 
 

@@ -118,12 +118,12 @@ class Coordinator:
         self._publish(force=True)
 
     def _check_control(self, run: ManagedRun) -> None:
-        data = self.store.get(keys.control_key(run.record.spec.run_id))
+        data = self.store.get(keys.control_key(run.record.spec.run_id), max_bytes=64 * 1024)
         if data is None or run.record.state == "stopping":
             return
         try:
             ctl = open_envelope(data, RunControl, self.trusted).body
-        except ProtocolError as e:
+        except (ProtocolError, ValueError) as e:  # ValueError: a bad signature (SignatureError)
             log.warning("run %s: ignoring control object: %s", run.record.spec.run_id, e)
             return
         if ctl.action == "stop":

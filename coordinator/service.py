@@ -24,6 +24,7 @@ from protocol.store import ObjectStore, StoreError
 
 log = logging.getLogger(__name__)
 ACTIVE = ("pending", "running", "stopping")
+MAX_ARCHIVE_BYTES = 64 * 1024 * 1024  # a run's signed assignments: a few KB per node
 
 
 @dataclass
@@ -89,10 +90,12 @@ class Coordinator:
                 held = try_acquire(self.store, self.identity, rid, self.lease_s)
                 if held:
                     log.info("run %s: took the lease (term %d)", rid, held.lease.term)
-                    self.runs[rid] = ManagedRun(
+                    self.runs[rid] = run = ManagedRun(
                         record=replace(rec, term=held.lease.term, coordinator=self.identity.peer_id),
                         lease=held,
                     )
+                    if rec.state != "pending":  # a takeover: carry on from what the last holder archived
+                        self._adopt(run)
         adverts = self.adverts()
         for rid, run in list(self.runs.items()):
             if run.record.state not in ACTIVE:
@@ -104,8 +107,8 @@ class Coordinator:
                 continue
             run.lease = held
             self._check_control(run)
-            if run.record.state == "pending":
-                self._try_place(run, adverts)
+            if run.record.state == "pending" or (run.record.state == "running" and run.placement is None):
+                self._try_place(run, adverts)  # (a taken-over run whose archive could not be read: re-place)
             elif run.record.state == "running":
                 self._watch(run, adverts)
             elif run.record.state == "stopping":
@@ -116,6 +119,41 @@ class Coordinator:
         log.info("run %s: %s -> %s", run.record.spec.run_id, run.record.state, state)
         run.record = replace(run.record, state=state, updated=dht_time())  # type: ignore[arg-type]
         self._publish(force=True)
+
+    def _adopt(self, run: ManagedRun) -> None:
+        """Take over a placed run: its placement, assignments and epoch from the newest assignment archive
+        the previous holders wrote ({run}/assign/{term}-{epoch}, signed by a trusted coordinator). The nodes
+        keep training; our next assignments carry our higher term. An unreadable archive leaves the run
+        unplaced, and the next tick places it afresh."""
+        rid = run.record.spec.run_id
+        try:
+            archived = sorted(self.store.list(f"{rid}/assign/"))
+            blob = self.store.get(archived[-1], max_bytes=MAX_ARCHIVE_BYTES) if archived else None
+            if blob is None:
+                log.warning("run %s: taken over with no assignment archive; placing it afresh", rid)
+                return
+            envelopes = msgpack.unpackb(blob)
+            if not isinstance(envelopes, list):
+                raise ProtocolError("the assignment archive is not a list of envelopes")
+            found = [open_envelope(e, Assignment, self.trusted).body for e in envelopes]
+        except (StoreError, ProtocolError, ValueError, msgpack.UnpackException) as e:
+            log.warning("run %s: cannot read the assignment archive (%s); placing it afresh", rid, e)
+            return
+        mine = [a for a in found if a.run_id == rid and a.spec == run.record.spec]
+        if not mine:
+            log.warning("run %s: the assignment archive holds no assignment of this run", rid)
+            return
+        run.assignments = {a.peer_id: a for a in mine}
+        run.placement = Placement({(a.replica, a.stage): a.peer_id for a in mine})
+        run.epoch = max(a.epoch for a in mine)
+        run.started = time.monotonic()
+        log.info(
+            "run %s: adopted the placement of term %d epoch %d (%d nodes)",
+            rid,
+            max(a.term for a in mine),
+            run.epoch,
+            len(mine),
+        )
 
     def _check_control(self, run: ManagedRun) -> None:
         data = self.store.get(keys.control_key(run.record.spec.run_id), max_bytes=64 * 1024)

@@ -76,3 +76,48 @@ def test_a_garbage_lease_object_does_not_reset_the_term(store: ObjectStore) -> N
     store.put(keys.lease_key(rid), b"x" * (1 << 20))  # an oversized object is overwritten unread
     again = try_acquire(store, OPERATOR, rid, 30)
     assert again is not None and again.lease.term == 9
+
+
+def test_a_coordinator_taking_over_a_running_run_adopts_its_placement(store: ObjectStore) -> None:
+    """Issue 10 finding 4, last part: the new holder of a running run's lease had no placement and raised
+    AssertionError on every tick. It now adopts the placement, assignments and epoch the previous holder
+    archived in the store, under a higher term, and its tick goes on."""
+    import msgpack
+
+    from coordinator.service import Coordinator
+    from protocol.dht_client import DHTClient, dht_time
+    from protocol.messages import Assignment, RunRecord
+    from protocol.runspec import ModelSpec, RunSpec
+
+    rid = run_id()
+    spec = RunSpec(run_id=rid, replicas=2, stages=2, model=ModelSpec(d_model=32, n_layers=2, n_heads=2))
+    nodes = {(r, s): Identity.generate().peer_id for r in range(2) for s in range(2)}
+    crashed = try_acquire(store, OPERATOR, rid, 30, now=time.time() - 100)  # the old holder's lease lapsed
+    assert crashed is not None and crashed.lease.term == 1
+    archive = [
+        seal(
+            OPERATOR,
+            Assignment(
+                run_id=rid, term=1, epoch=3, peer_id=peer, replica=r, stage=s,
+                layers=list(spec.layer_ranges()[s]), spec=spec,
+                stage_peers={str(rr): nodes[(rr, s)] for rr in range(2)},
+            ),
+        )
+        for (r, s), peer in nodes.items()
+    ]  # fmt: skip
+    store.put(keys.assign_key(rid, 1, 3), msgpack.packb(archive))
+    dht = DHTClient(OPERATOR)
+    try:
+        record = RunRecord(
+            spec=spec, state="running", term=1, coordinator=OPERATOR.peer_id, updated=dht_time()
+        )
+        assert dht.publish(keys.RUNS_KEY, record, 60, name=rid)
+        coord = Coordinator(OPERATOR, dht, store, lease_s=15)
+        coord.tick()
+        coord.tick()  # the nodes are gone (no adverts): it tries to rebuild, and goes on
+        run = coord.runs[rid]
+        assert run.lease.lease.term == 2
+        assert run.placement is not None and run.placement.slots == nodes
+        assert run.epoch == 3 and set(run.assignments) == set(nodes.values())
+    finally:
+        dht.shutdown()

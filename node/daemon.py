@@ -135,7 +135,7 @@ class NodeDaemon:
         self._worker: StageWorker | None = None
         self.store = ObjectStore(cfg.store) if cfg.store else None
         self.server = listen(cfg.host, cfg.port)
-        self.acceptor = Acceptor(self.server)
+        self.acceptor = Acceptor(self.server, peer_id=self.identity.peer_id)  # hellos addressed to us only
         self.dht = DHTClient(identity, bootstrap=cfg.bootstrap, host=cfg.host, port=cfg.dht_port)
         self.health = HealthServer(cfg.host, cfg.health_port, self.status)
         # measured before any run exists, so placement sees both figures; the default precision's ranks

@@ -2,9 +2,15 @@
 
 A `Link` is one full-duplex framed connection: a sender thread drains a bounded queue (backpressure: the
 stage blocks when `queue_depth` frames are in flight) and a receiver thread fills an inbox, so compute
-overlaps with bytes on the wire. An optional in-process shaper emulates a WAN link per direction: the
-sender paces frames to `bandwidth_mbps` (serialization delay) and the receiver releases each frame
-`delay_ms` after it arrived (propagation delay) — this kernel has no netem, and tests run without root.
+overlaps with bytes on the wire. The inbox is bounded too (`inbox_frames` frames and `inbox_bytes` bytes,
+one frame always admitted): when it is full the receiver stops reading, TCP's window closes, and a peer
+that sends faster than this stage consumes, or floods it, is backpressured instead of growing this
+node's memory. The 1F1B schedule keeps at most `warmup + 1` microbatches in flight per direction
+(node/schedule.py), below the default `inbox_frames`, so the bound does not stall a correct peer.
+
+An optional in-process shaper emulates a WAN link per direction: the sender paces frames to
+`bandwidth_mbps` (serialization delay) and the receiver releases each frame `delay_ms` after it arrived
+(propagation delay) — this kernel has no netem, and tests run without root.
 """
 
 from __future__ import annotations
@@ -15,6 +21,7 @@ import queue
 import socket
 import threading
 import time
+from collections import deque
 from collections.abc import Callable
 from dataclasses import dataclass
 
@@ -41,6 +48,10 @@ class Shaper:
 
 
 _CLOSE = object()
+INBOX_FRAMES = 64
+"""Default bound on frames received and not yet taken by `Link.recv`."""
+INBOX_BYTES = 1 << 30
+"""Default bound on their bytes (1 GiB; a single frame larger than this is still admitted alone)."""
 
 
 class Link:
@@ -54,7 +65,15 @@ class Link:
         shaper: Shaper | None = None,
         queue_depth: int = 8,
         max_frame_bytes: int = DEFAULT_MAX_FRAME_BYTES,
+        inbox_frames: int = INBOX_FRAMES,
+        inbox_bytes: int = INBOX_BYTES,
     ) -> None:
+        """inbox_frames, inbox_bytes: bounds on what has been received but not yet taken by recv()."""
+        if inbox_frames < 1 or inbox_bytes < 1:
+            raise ValueError(
+                f"Link inbox bounds must be at least 1 (got inbox_frames={inbox_frames}, "
+                f"inbox_bytes={inbox_bytes})"
+            )
         sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
         sock.settimeout(None)
         self.sock, self.name = sock, name
@@ -63,8 +82,13 @@ class Link:
         self.bytes_sent = 0
         self.bytes_recv = 0
         self._outbox: queue.Queue[object] = queue.Queue(maxsize=queue_depth)
-        self._inbox: queue.Queue[tuple[float, bytes] | BaseException] = queue.Queue()
-        self._head: tuple[float, bytes] | BaseException | None = None  # taken from the inbox, not yet due
+        self.inbox_frames, self.inbox_bytes = inbox_frames, inbox_bytes
+        self._inbox: deque[tuple[float, bytes]] = deque()  # (due at, payload), oldest first
+        self._inbox_nbytes = 0
+        self._inbox_cond = threading.Condition()
+        self._recv_error: BaseException | None = None  # why the receiver stopped; raised once drained
+        self.inbox_full_waits = 0
+        """Times the receiver stopped reading because the inbox was full (the peer is backpressured)."""
         self._error: BaseException | None = None
         self._closed = threading.Event()
         self._sender = threading.Thread(target=self._send_loop, name=f"send-{name}", daemon=True)
@@ -97,25 +121,34 @@ class Link:
         """Next frame from the neighbour; raises LinkError on close, timeout or a malformed/oversized frame
         from the peer (its __cause__ is then the FrameError, and the link is dropped)."""
         deadline = None if timeout_s is None else time.monotonic() + timeout_s
-        item = self._head
-        self._head = None
-        if item is None:
-            try:
-                item = self._inbox.get(timeout=timeout_s)
-            except queue.Empty as e:
-                raise LinkError(f"link to {self.name}: nothing received for {timeout_s} s") from e
-        if isinstance(item, BaseException):
-            self._inbox.put(item)  # keep the error visible to later calls
-            raise LinkError(f"link to {self.name} broke: {item}") from item
-        ready_at, payload = item
+        with self._inbox_cond:
+            while not self._inbox:
+                if self._recv_error is not None:  # stays set: later calls raise it too
+                    raise LinkError(f"link to {self.name} broke: {self._recv_error}") from self._recv_error
+                left = None if deadline is None else deadline - time.monotonic()
+                if left is not None and left <= 0:
+                    raise LinkError(f"link to {self.name}: nothing received for {timeout_s} s")
+                self._inbox_cond.wait(left)
+            ready_at, payload = self._inbox[0]
+            late = deadline is not None and ready_at > deadline
+            if not late:  # else still in flight (shaper delay): deliver it on the next call
+                self._inbox.popleft()
+                self._inbox_nbytes -= len(payload)
+                self._inbox_cond.notify_all()
+        if late:
+            assert deadline is not None
+            time.sleep(max(0.0, deadline - time.monotonic()))
+            raise LinkError(f"link to {self.name}: nothing received for {timeout_s} s")
         wait = ready_at - time.monotonic()
         if wait > 0:
-            if deadline is not None and ready_at > deadline:
-                self._head = item  # still in flight (shaper delay): deliver it on the next call
-                time.sleep(max(0.0, deadline - time.monotonic()))
-                raise LinkError(f"link to {self.name}: nothing received for {timeout_s} s")
             time.sleep(wait)
         return payload
+
+    @property
+    def inbox_len(self) -> int:
+        """Frames received and not yet taken by recv() (at most `inbox_frames`)."""
+        with self._inbox_cond:
+            return len(self._inbox)
 
     def flush(self, timeout_s: float = 30.0) -> None:
         """Wait until every queued frame has been written to the socket."""
@@ -133,6 +166,8 @@ class Link:
         with contextlib.suppress(OSError):
             self.sock.shutdown(socket.SHUT_RDWR)
         self.sock.close()
+        with self._inbox_cond:  # wake a receiver waiting for room and recv() callers
+            self._inbox_cond.notify_all()
 
     @property
     def closed(self) -> bool:
@@ -182,10 +217,38 @@ class Link:
                         log.warning("link to %s: malformed frame, closing: %s", self.name, e)
                         with contextlib.suppress(OSError):
                             self.sock.shutdown(socket.SHUT_RDWR)
-                self._inbox.put(e if not self._closed.is_set() else ConnectionClosed("link closed"))
+                self._stop_receiving(e if not self._closed.is_set() else ConnectionClosed("link closed"))
                 return
             self.bytes_recv += len(payload) + 4
-            self._inbox.put((time.monotonic() + delay, payload))
+            if not self._admit(payload, due_at=time.monotonic() + delay):
+                self._stop_receiving(ConnectionClosed("link closed"))
+                return
+
+    def _admit(self, payload: bytes, *, due_at: float) -> bool:
+        """Put a received frame in the inbox, waiting (not reading: backpressure) while it is full.
+        False if the link was closed meanwhile."""
+        with self._inbox_cond:
+            waited = False
+            while self._inbox and (
+                len(self._inbox) >= self.inbox_frames or self._inbox_nbytes + len(payload) > self.inbox_bytes
+            ):
+                if self._closed.is_set():
+                    return False
+                if not waited:
+                    waited = True
+                    self.inbox_full_waits += 1
+                self._inbox_cond.wait(0.5)
+            if self._closed.is_set():
+                return False
+            self._inbox.append((due_at, payload))  # due_at: arrival + the shaper's one-way delay
+            self._inbox_nbytes += len(payload)
+            self._inbox_cond.notify_all()
+            return True
+
+    def _stop_receiving(self, why: BaseException) -> None:
+        with self._inbox_cond:
+            self._recv_error = why
+            self._inbox_cond.notify_all()
 
 
 def connect(
@@ -214,5 +277,5 @@ def listen(host: str, port: int) -> socket.socket:
     srv = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
     srv.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
     srv.bind((host, port))
-    srv.listen(64)
+    srv.listen(1024)  # a burst of connections is queued, not dropped (the acceptor caps what it holds)
     return srv

@@ -129,7 +129,14 @@ class StageWorker:
         start = a.start_step
         if a.prev is not None:
             hello, sock = self.acceptor.take(
-                a.run_id, a.prev.peer_id, a.replica, a.stage - 1, self.connect_timeout_s, self._cancelled
+                a.run_id,
+                a.prev.peer_id,
+                a.replica,
+                a.stage - 1,
+                self.connect_timeout_s,
+                self._cancelled,
+                term=a.term,
+                epoch=a.epoch,
             )
             self.prev = Link(sock, f"{a.prev.peer_id[-8:]} (stage {a.stage - 1})", shaper=self._shaper())
             start = hello.start_step
@@ -148,6 +155,8 @@ class StageWorker:
                 stage=a.stage,
                 peer_id=self.identity.peer_id,
                 start_step=start,
+                to_peer_id=a.next.peer_id,  # bound to the recipient and the time: not replayable elsewhere
+                sent_at=time.time(),
             )
             sock.sendall(encode_frame(seal(self.identity, hello_out)))
             self.next = Link(sock, f"{a.next.peer_id[-8:]} (stage {a.stage + 1})", shaper=self._shaper())

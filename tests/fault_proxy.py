@@ -1,8 +1,10 @@
 """A fault-injecting HTTP proxy in front of the real S3 server (moto), for store fault tests.
 
-Each client request is read up to its head, then either answered by the proxy with an S3 `503 SlowDown`
-(when `rule(method, path)` says so) or forwarded to the upstream server with `Connection: close`, and the
-upstream's answer relayed byte for byte. Real sockets on loopback; nothing is mocked.
+Each client request is read up to its head; `rule(method, path)` then picks what happens to it:
+"pass" (or False) forwards it to the upstream server with `Connection: close` and relays the answer byte
+for byte; "503" (or True) answers an S3 `503 SlowDown`; "stall" holds the connection unanswered for
+`stall_s`, then closes it; "truncate" forwards it but cuts the answer off after half its bytes. Real
+sockets on loopback; nothing is mocked.
 """
 
 from __future__ import annotations
@@ -21,8 +23,11 @@ class FaultProxy:
     def __init__(self, upstream_url: str) -> None:
         host, port = upstream_url.removeprefix("http://").rstrip("/").split(":")
         self.upstream = (host, int(port))
-        self.rule: Callable[[str, str], bool] = lambda method, path: False
+        self.rule: Callable[[str, str], bool | str] = lambda method, path: False
+        self.stall_s = 5.0
         self.failed: list[tuple[str, str]] = []
+        """(method, path) of every request the proxy did not pass through intact."""
+        self.actions: dict[str, int] = {}
         self._srv = socket.create_server(("127.0.0.1", 0))
         self._srv.settimeout(0.2)
         self.url = f"http://127.0.0.1:{self._srv.getsockname()[1]}"
@@ -55,8 +60,15 @@ class FaultProxy:
             head, _, rest = head.partition(b"\r\n\r\n")
             lines = head.split(b"\r\n")
             method, path = lines[0].decode().split(" ")[:2]
-            if self.rule(method, path):
+            action = self.rule(method, path)
+            action = {True: "503", False: "pass"}.get(action, action)  # type: ignore[call-overload]
+            if action != "pass":
                 self.failed.append((method, path))
+                self.actions[action] = self.actions.get(action, 0) + 1
+            if action == "stall":
+                self._closed.wait(self.stall_s)
+                return
+            if action == "503":
                 conn.sendall(
                     b"HTTP/1.1 503 Slow Down\r\nContent-Type: application/xml\r\n"
                     + f"Content-Length: {len(SLOW_DOWN)}\r\nConnection: close\r\n\r\n".encode()
@@ -69,10 +81,22 @@ class FaultProxy:
                 up.sendall(request)
                 pump = threading.Thread(target=_copy, args=(conn, up), daemon=True)
                 pump.start()  # the rest of the request body, if any
-                _copy(up, conn)
+                if action == "truncate":
+                    answer = _read_all(up)
+                    conn.sendall(answer[: len(answer) // 2])
+                else:
+                    _copy(up, conn)
 
 
 def _copy(src: socket.socket, dst: socket.socket) -> None:
     with contextlib.suppress(OSError):
         while data := src.recv(65536):
             dst.sendall(data)
+
+
+def _read_all(src: socket.socket) -> bytes:
+    parts = []
+    with contextlib.suppress(OSError):
+        while data := src.recv(65536):
+            parts.append(data)
+    return b"".join(parts)

@@ -154,6 +154,42 @@ def test_a_store_that_fails_fetches_for_a_while_is_retried_until_the_deadline(
         proxy.close()
 
 
+def test_rounds_complete_through_503s_stalls_and_truncated_answers(
+    store: ObjectStore, moto_store: str, closer: list[OuterSync]
+) -> None:
+    """Issue 10 acceptance 4 (at the outer-sync level): replica 2 reaches the store through a proxy that,
+    for 4 s, answers its fragment requests (uploads, listings and fetches) with 503 SlowDown, stalls them
+    for 3 s, or cuts the answer in half, in turn. Rounds wait and retry within their deadline: every round
+    completes with all three contributions, the anchors stay bit-identical (nothing half-applied), and
+    the faults did happen."""
+    proxy = FaultProxy(moto_store)
+    proxy.stall_s = 3.0
+    try:
+        flaky = ObjectStore(StoreConfig(endpoint_url=proxy.url, bucket="sparseloco-sync"), timeout_s=1.5)
+        t0, turn = time.monotonic(), iter(range(1 << 30))
+        kinds = ("503", "stall", "truncate")
+
+        def rule(method: str, path: str) -> str:
+            if time.monotonic() - t0 > 4 or ("/sync/" not in path and "sync%2F" not in path):
+                return "pass"
+            return kinds[next(turn) % 3]
+
+        proxy.rule = rule
+        _, syncs = make_replicas(store, SHAPES, R=3, H=3, P=1, tau=1, stores=[store, store, flaky])
+        for s in syncs:
+            s.timeout_s = 30.0
+        closer.extend(syncs)
+        for _ in lockstep(syncs, range(1, 14)):  # captures at 3, 6, 9, 12; applied one step later
+            pass
+        assert set(proxy.actions) == set(kinds), proxy.actions
+        assert_same_anchors(syncs)
+        for s in syncs:
+            assert s.stats.rounds_applied == 4 and s.stats.missing == 0 and s.stats.rejected == 0
+            assert s.stats.last_contributors == [0, 1, 2]
+    finally:
+        proxy.close()
+
+
 def test_an_oversized_object_at_a_fragment_key_is_rejected_unread(
     store: ObjectStore, closer: list[OuterSync]
 ) -> None:

@@ -5,6 +5,7 @@ from __future__ import annotations
 import json
 import math
 import os
+import re
 import subprocess
 import sys
 import time
@@ -434,6 +435,51 @@ def test_without_spares_a_crashed_replica_drops_out_and_stop_works(swarm: Swarm,
         "nodes to stop training",
     )
     assert all(swarm.nodes[i].alive for i in alive)
+
+
+def test_a_replica_killed_right_after_its_upload_is_consumed_then_missed(
+    swarm: Swarm, tmp_path: Path
+) -> None:
+    """Issue 10 acceptance 5: the first stage of replica 1 is killed (SIGKILL, mid-step) as soon as its
+    round-2 fragment is in the store. Replica 0 aggregates that fragment in round 2 (its update is
+    consumed: no "did not arrive" for round 2), finds replica 1 missing from round 3 on (killed before
+    those uploads) and trains to the end; replica 1's second stage reports `failed` with the broken link;
+    the coordinator, with no spare node, lets replica 1 drop out."""
+    spare = swarm.add_node(5)  # earlier tests killed two nodes: four alive again
+    swarm.health.append(spare.wait_for(r"health=(\S+)/health", 120).group(1))
+    toml = tmp_path / "run.toml"
+    toml.write_text(RUN_TOML.format(run_id="swarm-k", steps=40, H=5, timeout=6))
+    swarm.launch(toml)
+    store = ObjectStore(StoreConfig(endpoint_url=swarm.store_url, bucket="crucible"))
+    wait_until(lambda: len(run_metrics(swarm, "swarm-k")) == 4, 120, "swarm-k to be placed")
+    victim = _slot_index(swarm, "swarm-k", 1, 0)
+    r0s0, r1s1 = _slot_index(swarm, "swarm-k", 0, 0), _slot_index(swarm, "swarm-k", 1, 1)
+    key = keys.sync_key("swarm-k", 0, 0, 2, 1)  # stage 0, fragment 0, round 2, replica 1
+    wait_until(
+        lambda: store.get(key) is not None, 180, "replica 1 to upload its round-2 fragment", poll_s=0.05
+    )
+    swarm.nodes[victim].kill()
+
+    def replica0_done() -> list[dict] | None:
+        ms = [m for m in run_metrics(swarm, "swarm-k") if m["replica"] == 0]
+        return ms if len(ms) == 2 and all(m["state"] == "done" for m in ms) else None
+
+    ms = wait_until(replica0_done, 240, "replica 0 to finish swarm-k without replica 1")
+    assert all(m["step"] == 40 and m["fragments_missing"] >= 1 for m in ms)
+    missed = {
+        int(r)
+        for r in re.findall(
+            r"round (\d+) fragment 0: replicas \[1\] did not arrive", swarm.nodes[r0s0].log_text()
+        )
+    }
+    assert missed and min(missed) > 2, missed  # round 2 consumed; the rounds after the kill missing
+    failed = wait_until(
+        lambda: (s := swarm.statuses()[r1s1]) and s["metrics"]["state"] == "failed" and s["metrics"],
+        120,
+        "replica 1's second stage to report its broken link",
+    )
+    assert failed["error"]
+    assert swarm.nodes[r0s0].alive and swarm.nodes[r1s1].alive
 
 
 def test_store_lease_is_exclusive(moto_store: str) -> None:

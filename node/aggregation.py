@@ -1,17 +1,42 @@
-"""Aggregation of decoded SparseLoCo contributions across replicas (DESIGN section 3, arXiv 2508.15706).
+"""Aggregation of decoded SparseLoCo contributions across replicas (DESIGN sections 3 and 10).
 
     Delta_bar = aggregate({decode(c_j) : j in A})          A = the replicas whose fragment arrived
+
+Averaging (`AggregationConfig.method`; SparseLoCo, arXiv 2508.15706):
 
 - `mean_over_arrivals` (the paper):  Delta_bar = (1/|A|) sum_{j in A} Delta_j
 - `per_coordinate_mean` (Templar):    Delta_bar[i] = sum_j Delta_j[i] / #{j : Delta_j[i] != 0}, 0 if none;
   with sparse contributions a coordinate only one replica chose is not diluted by 1/|A|.
-- `median_norm_clip`:                 Delta_j <- Delta_j * min(1, median_l ||Delta_l|| / ||Delta_j||)
-- `screen`:                           drop contributions with the wrong shapes, NaN/inf, a value beyond
-                                      `max_abs` or a norm beyond `max_norm`, saying why.
+
+Bounded influence of one replica (`AggregationConfig.robust`, DESIGN section 10; on by default):
+
+- `screen`:            drop contributions with the wrong shapes, NaN/inf, or beyond the absolute
+                       `max_abs` / `max_norm` (off unless set), saying why.
+- `clamp_to_median_max_abs`:  per tensor t, B_t = max_abs_ratio * med_l max_i |Delta_l,t[i]|;
+                       Delta_j,t <- clamp(Delta_j,t, -B_t, B_t)          (decoded values near float max)
+- `median_norm_clip`:  Delta_j <- Delta_j * min(1, max_norm_ratio * med_l ||Delta_l|| / ||Delta_j||)
+- `agreement_screen`:  cos_j = <Delta_j, S_-j> / (||Delta_j|| ||S_-j||),  S_-j = sum_{l != j} Delta_l;
+                       while the lowest cos_j < min_agreement, leave that contribution out and recompute
+                       over the rest (sign-flipped updates scored -0.33 to -0.39, honest ones 0.05 to
+                       0.40, in docs/benchmarks.md)
+- `trimmed_mean`:      at each coordinate, of the n_i values sent there (all |A| for "mean"), drop the
+                       b_i = min(ceil(trim * n_i), floor((n_i - 1) / 2)) smallest and largest and average
+                       the rest (arXiv 1803.01498): with trim 0.25 the median of 3, the middle two of 4.
+
+"clip_median" = clamp + clip, then `method`'s average; "trimmed" (the default) = clamp + clip +
+agreement screen + trimmed mean; "none" = the screen and `method`'s average only. Medians are lower
+medians (the ((n-1)//2)-th smallest): with one hostile replica among 3 or 4 the scale is an honest
+one's, among 2 the smaller one's. Magnitudes are bounded by scaling down, not by rejection: an honest
+replica that is merely unusual this round (fresh error feedback after a restart, an odd batch) keeps
+its direction, and a hostile one's influence is bounded either way (its norm by the clip, each value by
+the clamp). Direction is the one thing scaling cannot bound, so a contribution pointing away from the
+others is left out whole, and the trim bounds each coordinate sent by at least 3 replicas.
 
 Every replica must compute the same Delta_bar bit for bit, so nothing here depends on arrival order:
-contributions are taken in ascending replica id and summed one after another in float32 (elementwise
-IEEE adds, identical on every host); norms are summed in float64 and clip factors rounded to float32.
+contributions are taken in ascending replica id; the plain averages sum them one after another in float32
+(elementwise IEEE adds, identical on every host), the trimmed mean sums in float64 in a fixed order
+(replica order, or ascending sorted position where it trims); norms and inner products are summed in
+float64 by numpy's pairwise sum over fixed blocks; bounds and clip factors are rounded to float32.
 """
 
 from __future__ import annotations
@@ -27,6 +52,14 @@ import torch
 Contributions = Mapping[int, Sequence[torch.Tensor]]
 """Replica id -> that replica's decoded pseudo-gradient, one dense tensor per parameter."""
 
+Robust = Literal["none", "clip_median", "trimmed"]
+ROBUST_RULES: tuple[Robust, ...] = ("none", "clip_median", "trimmed")
+MAX_RATIO = 1e6
+"""Upper bound of `max_norm_ratio` and `max_abs_ratio`: beyond it a bound no longer bounds anything."""
+_BLOCK = 1 << 20
+"""Coordinates per block of the trimmed mean and the inner products (bounds their temporary memory to a
+few times R x 8 MiB whatever the tensor's size; fixed, so the float64 sums are the same on every host)."""
+
 
 @dataclass(frozen=True)
 class Rejection:
@@ -36,6 +69,11 @@ class Rejection:
     reason: str
 
 
+def _check_ratio(name: str, v: object) -> None:
+    if isinstance(v, bool) or not isinstance(v, (int, float)) or not 1.0 <= v <= MAX_RATIO:
+        raise ValueError(f"AggregationConfig.{name}={v!r} must be a number in [1, {MAX_RATIO:g}]")
+
+
 @dataclass(kw_only=True, frozen=True)
 class AggregationConfig:
     """How decoded contributions become Delta_bar."""
@@ -43,8 +81,23 @@ class AggregationConfig:
     method: Literal["mean", "per_coordinate"] = "per_coordinate"
     """"mean": mean over arrivals (paper); "per_coordinate": divide each coordinate by the number of
     contributions nonzero there (Templar; 4.4% vs 24% bits-per-byte gap in the DESIGN's 4-replica trial)."""
+    robust: Robust = "trimmed"
+    """Bound on one replica's influence: "trimmed" (clamp + median-norm clip + agreement screen +
+    coordinate-wise trimmed mean; resists magnitude attacks and sign flips), "clip_median"
+    (clamp + clip, then `method`'s average; magnitude attacks only) or "none" (the screen only)."""
+    max_norm_ratio: float = 1.0
+    """Clip each contribution's L2 norm to this multiple of the round's (lower) median norm, in [1, 1e6]."""
+    max_abs_ratio: float = 4.0
+    """Clamp each value of tensor t to +-(this multiple of the round's median of max|Delta_j,t|); in
+    [1, 1e6]."""
+    min_agreement: float = 0.0
+    """"trimmed": leave out a contribution whose cosine with the sum of the others is below this, lowest
+    first, in [-1, 1] (-1: never)."""
+    trim: float = 0.25
+    """"trimmed": fraction of the values at a coordinate dropped at each end (at least one where >= 3
+    replicas sent it, never so many that none is left), in [0, 0.5)."""
     clip_to_median_norm: bool = False
-    """Scale every contribution whose L2 norm exceeds the median norm down to it."""
+    """Legacy switch: with robust="none", True means "clip_median"."""
     max_abs: float | None = None
     """Reject a contribution holding any |value| above this (None: no bound)."""
     max_norm: float | None = None
@@ -53,10 +106,28 @@ class AggregationConfig:
     def __post_init__(self) -> None:
         if self.method not in ("mean", "per_coordinate"):
             raise ValueError(f"AggregationConfig.method={self.method!r} must be 'mean' or 'per_coordinate'")
+        if self.robust not in ROBUST_RULES:
+            raise ValueError(
+                f"AggregationConfig.robust={self.robust!r} must be 'none', 'clip_median' or 'trimmed'"
+            )
+        _check_ratio("max_norm_ratio", self.max_norm_ratio)
+        _check_ratio("max_abs_ratio", self.max_abs_ratio)
+        m = self.min_agreement
+        if isinstance(m, bool) or not isinstance(m, (int, float)) or not -1 <= m <= 1:
+            raise ValueError(f"AggregationConfig.min_agreement={m!r} must be a number in [-1, 1]")
+        if isinstance(self.trim, bool) or not isinstance(self.trim, (int, float)) or not 0 <= self.trim < 0.5:
+            raise ValueError(f"AggregationConfig.trim={self.trim!r} must be a number in [0, 0.5)")
         for name in ("max_abs", "max_norm"):
             v = getattr(self, name)
             if v is not None and not (isinstance(v, (int, float)) and v > 0 and math.isfinite(v)):
                 raise ValueError(f"AggregationConfig.{name}={v!r} must be a positive finite number or None")
+
+    @property
+    def rule(self) -> Robust:
+        """The robust rule in effect (`clip_to_median_norm` folded in)."""
+        if self.robust == "none" and self.clip_to_median_norm:
+            return "clip_median"
+        return self.robust
 
 
 @dataclass(frozen=True)
@@ -71,10 +142,29 @@ class Aggregate:
     """Replica ids left out, ascending, with the reason."""
     clip: Mapping[int, float] = field(default_factory=dict)
     """Factor each used contribution was scaled by (1.0 unless clipped)."""
+    clamped: Mapping[int, int] = field(default_factory=dict)
+    """Values of each used contribution clamped to the round's bound (0 unless clamped)."""
+
+
+def _dot(a: Sequence[torch.Tensor], b: Sequence[torch.Tensor]) -> float:
+    """<a, b> over all tensors: products in float64, numpy's pairwise sum over fixed blocks (the same
+    bits on every host, unlike BLAS)."""
+    total = 0.0
+    for x, y in zip(a, b, strict=True):
+        xf, yf = x.detach().reshape(-1), y.detach().reshape(-1)
+        for i in range(0, xf.numel(), _BLOCK):
+            xs = xf[i : i + _BLOCK].to(torch.float64).numpy()
+            total += float(np.multiply(xs, yf[i : i + _BLOCK].to(torch.float64).numpy()).sum())
+    return total
 
 
 def _ordered(contribs: Contributions) -> list[tuple[int, Sequence[torch.Tensor]]]:
     return sorted(contribs.items(), key=lambda kv: kv[0])
+
+
+def _lower_median(values: Sequence[float]) -> float:
+    """The ((n-1)//2)-th smallest: with one outlier among 2, 3 or 4 values, an inlier."""
+    return sorted(values)[(len(values) - 1) // 2]
 
 
 def norm(tensors: Sequence[torch.Tensor]) -> float:
@@ -127,8 +217,36 @@ def screen(
     return ok, rejected
 
 
-def median_norm_clip(contribs: Contributions) -> tuple[dict[int, list[torch.Tensor]], dict[int, float]]:
-    """Scale each contribution to at most the median L2 norm (the lower median for an even count).
+def clamp_to_median_max_abs(
+    contribs: Contributions, ratio: float = 4.0
+) -> tuple[dict[int, list[torch.Tensor]], dict[int, int]]:
+    """Clamp every value of tensor t to +-B_t, B_t = ratio * (lower median over contributions of
+    max|Delta_j,t|), rounded to float32. Contributions must be finite (run `screen` first).
+
+    Returns the clamped contributions (float32) and how many values of each were clamped.
+    """
+    ordered = _ordered(contribs)
+    if not ordered:
+        return {}, {}
+    out: dict[int, list[torch.Tensor]] = {j: [] for j, _ in ordered}
+    counts = {j: 0 for j, _ in ordered}
+    for i in range(len(ordered[0][1])):
+        peaks = [float(ts[i].abs().max()) if ts[i].numel() else 0.0 for _, ts in ordered]
+        bound = float(np.float32(ratio * _lower_median(peaks)))
+        for (j, ts), peak in zip(ordered, peaks, strict=True):
+            t = ts[i].detach().float()
+            if peak > bound:
+                counts[j] += int((t.abs() > bound).sum())
+                t = t.clamp(-bound, bound)
+            out[j].append(t)
+    return out, counts
+
+
+def median_norm_clip(
+    contribs: Contributions, ratio: float = 1.0
+) -> tuple[dict[int, list[torch.Tensor]], dict[int, float]]:
+    """Scale each contribution to at most `ratio` times the median L2 norm (the lower median for an even
+    count).
 
     Returns the clipped contributions and the factor applied to each (float32-rounded, 1.0 if unclipped).
     """
@@ -136,14 +254,55 @@ def median_norm_clip(contribs: Contributions) -> tuple[dict[int, list[torch.Tens
     norms = {j: norm(ts) for j, ts in ordered}
     if not norms:
         return {}, {}
-    med = sorted(norms.values())[(len(norms) - 1) // 2]
+    limit = ratio * _lower_median(list(norms.values()))
     out: dict[int, list[torch.Tensor]] = {}
     factors: dict[int, float] = {}
     for j, ts in ordered:
-        f = float(np.float32(med / norms[j])) if norms[j] > med else 1.0
+        f = float(np.float32(limit / norms[j])) if norms[j] > limit else 1.0
         factors[j] = f
         out[j] = [t.float() * f for t in ts] if f != 1.0 else [t.float() for t in ts]
     return out, factors
+
+
+def agreement_screen(
+    contribs: Contributions, min_agreement: float = 0.0
+) -> tuple[dict[int, list[torch.Tensor]], list[Rejection], dict[int, float]]:
+    """Leave out contributions pointing away from the others: while the lowest
+    cos_j = <Delta_j, sum_{l != j} Delta_l> / (||Delta_j|| ||sum_{l != j} Delta_l||) over those left is below
+    `min_agreement`, drop every contribution at that lowest value (exact ties: with two left, both) and
+    recompute. cos_j is 0 where a norm is 0. Computed from the Gram matrix (float64, each pair once).
+
+    Returns (kept, rejections, cos_j of each contribution in the last round it was scored).
+    """
+    ordered = _ordered(contribs)
+    ids = [j for j, _ in ordered]
+    G: dict[tuple[int, int], float] = {}
+    for a, (j, tj) in enumerate(ordered):
+        for q, tq in ordered[a:]:
+            G[j, q] = G[q, j] = _dot(tj, tq)
+    left = list(ids)
+    cos: dict[int, float] = {}
+    rejected: list[Rejection] = []
+    while len(left) >= 2:
+        for j in left:
+            others = [q for q in left if q != j]
+            num = sum(G[j, q] for q in others)  # <Delta_j, sum of the others>
+            den = math.sqrt(max(G[j, j], 0.0) * max(sum(G[q, m] for q in others for m in others), 0.0))
+            cos[j] = num / den if den > 0 else 0.0
+        low = min(cos[j] for j in left)
+        if low >= min_agreement:
+            break
+        for j in [j for j in left if cos[j] == low]:
+            left.remove(j)
+            rejected.append(
+                Rejection(
+                    j,
+                    f"direction disagrees with the other replicas': cosine {low:.3g} with their sum < "
+                    f"min_agreement {min_agreement:g}",
+                )
+            )
+    kept = {j: list(ts) for j, ts in ordered if j in left}
+    return kept, sorted(rejected, key=lambda r: r.replica), cos
 
 
 def _sum(ordered: list[tuple[int, Sequence[torch.Tensor]]]) -> list[torch.Tensor]:
@@ -175,13 +334,58 @@ def per_coordinate_mean(contribs: Contributions) -> list[torch.Tensor]:
     return [a / c.clamp_min(1) for a, c in zip(acc, counts, strict=True)]
 
 
+def _trimmed_block(X: torch.Tensor, trim: float, per_coordinate: bool) -> torch.Tensor:
+    """Trimmed mean of the columns of X (n, m) float32: float32 (m,)."""
+    n, m = X.shape
+    sent = X != 0 if per_coordinate else torch.ones_like(X, dtype=torch.bool)  # (n, m)
+    count = sent.sum(0)  # (m,) n_i
+    b = torch.minimum(torch.ceil(count.double() * trim).long(), (count - 1).clamp_min(0) // 2)  # (m,)
+    acc = torch.zeros(m, dtype=torch.float64)
+    for p in range(n):  # untrimmed columns: float64 sum in replica order
+        acc += torch.where(sent[p], X[p].double(), 0.0)
+    cols = torch.nonzero(b > 0).reshape(-1)  # (m_t,) columns where something is trimmed
+    if len(cols):
+        Y = torch.where(sent[:, cols], X[:, cols], math.inf).sort(dim=0).values  # (n, m_t) sent values first
+        bt, ct = b[cols], count[cols]
+        part = torch.zeros(len(cols), dtype=torch.float64)
+        for p in range(n):  # float64 sum in ascending position order of the kept middle
+            keep = (bt <= p) & (p < ct - bt)
+            part += torch.where(keep, Y[p].double(), 0.0)
+        acc[cols] = part
+    kept = (count - 2 * b).clamp_min(1)
+    return (acc / kept).float()
+
+
+def trimmed_mean(
+    contribs: Contributions, trim: float = 0.25, *, per_coordinate: bool = True
+) -> list[torch.Tensor]:
+    """Coordinate-wise trimmed mean: of the n_i values at coordinate i (the nonzero ones if
+    `per_coordinate`, else all |A|), drop the b_i = min(ceil(trim * n_i), floor((n_i - 1) / 2)) smallest
+    and largest and average the rest (Yin et al. 2018, arXiv 1803.01498); 0 where nothing was sent."""
+    ordered = _ordered(contribs)
+    if not ordered:
+        raise ValueError("trimmed_mean: no contributions")
+    if not 0 <= trim < 0.5:
+        raise ValueError(f"trimmed_mean: trim={trim!r} must be in [0, 0.5)")
+    out = []
+    for i, first in enumerate(ordered[0][1]):
+        flat = [ts[i].detach().reshape(-1).float() for _, ts in ordered]
+        res = torch.empty(first.numel(), dtype=torch.float32)
+        for a in range(0, first.numel(), _BLOCK):
+            X = torch.stack([f[a : a + _BLOCK] for f in flat])  # (n, m)
+            res[a : a + X.shape[1]] = _trimmed_block(X, trim, per_coordinate)
+        out.append(res.view(first.shape))
+    return out
+
+
 def aggregate(
     contribs: Contributions,
     cfg: AggregationConfig = AggregationConfig(),  # noqa: B008  (frozen, so a shared default is safe)
     shapes: Sequence[Sequence[int]] | None = None,
 ) -> Aggregate:
-    """screen -> optional median-norm clip -> mean, as `cfg` says. Zeros (and `used == ()`) when every
-    contribution is rejected; the caller then skips the outer step."""
+    """screen -> (robust) clamp -> median-norm clip -> (trimmed) agreement screen -> mean or trimmed
+    mean, as `cfg` says. Zeros (and `used == ()`) when every contribution is rejected; the caller then
+    skips the outer step."""
     ok, rejected = screen(contribs, shapes, max_abs=cfg.max_abs, max_norm=cfg.max_norm)
     if shapes is None:
         first = _ordered(contribs)[:1]
@@ -192,21 +396,42 @@ def aggregate(
         zeros = [torch.zeros(tuple(s)) for s in shapes]
         return Aggregate(tensors=zeros, used=(), rejected=tuple(rejected))
     factors = {j: 1.0 for j in ok}
-    if cfg.clip_to_median_norm:
-        ok, factors = median_norm_clip(ok)
-    mean = per_coordinate_mean(ok) if cfg.method == "per_coordinate" else mean_over_arrivals(ok)
-    return Aggregate(tensors=mean, used=tuple(sorted(ok)), rejected=tuple(rejected), clip=factors)
+    clamped = {j: 0 for j in ok}
+    rule = cfg.rule
+    if rule != "none":
+        ok, clamped = clamp_to_median_max_abs(ok, cfg.max_abs_ratio)
+        ok, factors = median_norm_clip(ok, cfg.max_norm_ratio)
+    if rule == "trimmed":
+        ok, disagree, _ = agreement_screen(ok, cfg.min_agreement)
+        rejected = sorted([*rejected, *disagree], key=lambda r: r.replica)
+        if not ok:
+            zeros = [torch.zeros(tuple(s)) for s in shapes or []]
+            return Aggregate(tensors=zeros, used=(), rejected=tuple(rejected))
+    per_coordinate = cfg.method == "per_coordinate"
+    if rule == "trimmed":
+        mean = trimmed_mean(ok, cfg.trim, per_coordinate=per_coordinate)
+    else:
+        mean = per_coordinate_mean(ok) if per_coordinate else mean_over_arrivals(ok)
+    return Aggregate(
+        tensors=mean, used=tuple(sorted(ok)), rejected=tuple(rejected), clip=factors, clamped=clamped
+    )
 
 
 __all__ = [
+    "MAX_RATIO",
+    "ROBUST_RULES",
     "Aggregate",
     "AggregationConfig",
     "Contributions",
     "Rejection",
+    "Robust",
     "aggregate",
+    "agreement_screen",
+    "clamp_to_median_max_abs",
     "mean_over_arrivals",
     "median_norm_clip",
     "norm",
     "per_coordinate_mean",
     "screen",
+    "trimmed_mean",
 ]

@@ -130,12 +130,23 @@ class SparseLoCoCodec(FragmentCodec):
 
 
 def make_aggregator(cfg: AggregationConfig) -> Aggregator:
-    """`node.aggregation.aggregate` as OuterSync's aggregator: Delta_bar tensors, rejections logged."""
+    """`node.aggregation.aggregate` as OuterSync's aggregator: Delta_bar tensors; rejections, and
+    contributions scaled below half or with values clamped, are logged."""
 
     def aggregate_fn(contribs: dict[int, list[torch.Tensor]]) -> list[torch.Tensor]:
         agg = aggregate(contribs, cfg)
         for rej in agg.rejected:
             log.warning("aggregation left out replica %d: %s", rej.replica, rej.reason)
+        for j in agg.used:
+            f, n = agg.clip.get(j, 1.0), agg.clamped.get(j, 0)
+            if f < 0.5 or n:
+                log.warning(
+                    "aggregation bounded replica %d: %d values clamped to the round's bound, "
+                    "norm scaled by %.3g",
+                    j,
+                    n,
+                    f,
+                )
         return agg.tensors
 
     return aggregate_fn
@@ -154,8 +165,9 @@ def make_sync_parts(spec: RunSpec, identity: Identity) -> SyncParts:
 
     method "sparseloco": `SparseLoCoCodec` with the spec's chunk, k and beta; method "diloco": the dense
     fp32 `DenseCodec`. Both aggregate with `spec.sync.aggregation` (for dense contributions the
-    per-coordinate mean equals the plain mean except where a contribution is exactly zero) and optional
-    median-norm clipping, and use `spec.sync.outer_momentum` (Nesterov; DiLoCo's 0.9, SparseLoCo's 0).
+    per-coordinate mean equals the plain mean except where a contribution is exactly zero) under the
+    robust rule `spec.sync.robust` and its bounds (by default clamp + median-norm clip + trimmed mean), and
+    use `spec.sync.outer_momentum` (Nesterov; DiLoCo's 0.9, SparseLoCo's 0).
     """
     s = spec.sync
     codec: FragmentCodec
@@ -165,7 +177,16 @@ def make_sync_parts(spec: RunSpec, identity: Identity) -> SyncParts:
         codec = DenseCodec(identity)
     else:  # SyncSpec validates the method; this guards a spec built around that check
         raise ValueError(f"sync.method={s.method!r} must be 'diloco' or 'sparseloco'")
-    agg_cfg = AggregationConfig(method=s.aggregation, clip_to_median_norm=s.clip_median_norm)
+    agg_cfg = AggregationConfig(
+        method=s.aggregation,
+        robust=s.robust,
+        max_norm_ratio=s.max_norm_ratio,
+        max_abs_ratio=s.max_abs_ratio,
+        min_agreement=s.min_agreement,
+        trim=s.trim,
+        max_abs=s.max_abs or None,  # 0 = no absolute bound
+        max_norm=s.max_norm or None,
+    )
     return SyncParts(codec=codec, aggregate=make_aggregator(agg_cfg), momentum=s.outer_momentum)
 
 

@@ -170,8 +170,31 @@ class SyncSpec:
     aggregation: Literal["mean", "per_coordinate"] = "per_coordinate"
     """How arrived contributions are averaged: "mean" over arrivals (the paper) or "per_coordinate",
     each coordinate divided by the number of replicas that sent it (Templar; see docs/benchmarks.md)."""
-    clip_median_norm: bool = False
-    """Scale every contribution whose L2 norm exceeds the median of the round's contributions down to it."""
+    robust: Literal["none", "clip_median", "trimmed"] = "trimmed"
+    """Bound on one replica's influence on Delta_bar (DESIGN section 10; node/aggregation.py):
+    "trimmed" = clamp each value to max_abs_ratio x the round's median peak, clip each contribution's
+    norm to max_norm_ratio x the round's median norm, leave out contributions that point away from the
+    others (min_agreement), then a coordinate-wise trimmed mean (the median of 3 senders, the middle two
+    of 4): resists values x100 or near float max and sign flips; "clip_median" = the clamp and clip,
+    then `aggregation`'s mean (magnitude attacks only); "none" = no bound (only NaN/inf and the absolute
+    max_abs/max_norm are rejected). See docs/benchmarks.md, "Robust aggregation under attack"."""
+    max_norm_ratio: float = 1.0
+    """robust != "none": scale a contribution whose L2 norm exceeds this multiple of the round's (lower)
+    median norm down to it; in [1, 1e6] (1 = the median itself)."""
+    max_abs_ratio: float = 4.0
+    """robust != "none": clamp each decoded value of a tensor to +-(this multiple of the round's lower
+    median, over contributions, of that tensor's largest |value|); in [1, 1e6]."""
+    min_agreement: float = 0.0
+    """robust = "trimmed": leave out a contribution whose cosine with the sum of the other contributions
+    is below this (lowest first, then recomputed over the rest); a sign-flipped update scores below 0,
+    honest ones 0.05 to 0.40 in docs/benchmarks.md; in [-1, 1] (-1 = never)."""
+    trim: float = 0.25
+    """robust = "trimmed": fraction of the values sent at a coordinate dropped at each end (at least one
+    where >= 3 replicas sent it, never so many that none is left); in [0, 0.5)."""
+    max_abs: float = 0.0
+    """Reject outright a contribution holding a decoded |value| above this (0 = no absolute bound)."""
+    max_norm: float = 0.0
+    """Reject outright a contribution whose L2 norm exceeds this (0 = no absolute bound)."""
 
     def __post_init__(self) -> None:
         check_finite(self)
@@ -200,6 +223,18 @@ class SyncSpec:
             raise ValueError(
                 f"sync.aggregation={describe(self.aggregation)} must be 'mean' or 'per_coordinate'"
             )
+        if self.robust not in ("none", "clip_median", "trimmed"):
+            raise ValueError(
+                f"sync.robust={describe(self.robust)} must be 'trimmed' (the default), 'clip_median' "
+                "or 'none'"
+            )
+        check_range("sync.max_norm_ratio", self.max_norm_ratio, 1, 1e6)
+        check_range("sync.max_abs_ratio", self.max_abs_ratio, 1, 1e6)
+        check_range("sync.min_agreement", self.min_agreement, -1, 1)
+        if not 0 <= self.trim < 0.5:
+            raise ValueError(f"sync.trim={describe(self.trim)} must be in [0, 0.5) (example: 0.25)")
+        check_range("sync.max_abs", self.max_abs, 0, 3e38)
+        check_range("sync.max_norm", self.max_norm, 0, 3e38)
 
 
 @dataclass(kw_only=True, frozen=True)

@@ -3,6 +3,7 @@
   python -m scripts.bench_quality            # the recorded run (about 10 minutes on 2 cores)
   python -m scripts.bench_quality --quick    # CI-sized (under 2 minutes)
   python -m scripts.bench_quality --arms adamw,sparseloco --steps 300 --alpha 1.0 --H 15
+  python -m scripts.bench_quality --arms sparseloco --attack flip --attack-rounds 3-8 --robust none
 
 In one process, R simulated replicas of a small Llama-style model train on the standard-library corpus;
 replica r draws batch (data_seed, r, step) in every arm, so every method sees the same tokens:
@@ -24,6 +25,13 @@ aggregation that `node.sparseloco_sync.make_sync_parts` builds for the swarm, ta
 server (moto) on loopback; replicas are stepped in lockstep (capture phase for all, then apply phase for
 all). The figure is validation bits-per-byte (mean cross-entropy / ln 2; byte vocabulary) of the
 consensus weights on the held-out tail of the corpus, as a table on stderr and one JSON line last on stdout.
+
+--attack KIND makes one replica (--attack-replica, default the last) hostile during --attack-rounds
+(1-based outer rounds, inclusive): it trains and runs error feedback honestly, then replaces its SparseLoCo
+fragment with a forged one it signs with its own valid key: "x100" (scales x100), "flip" (every value
+negated: a sign flip of normal size) or "floatmax" (values up to 1e38, near float32's 3.4e38). --robust
+picks the aggregation's bound on one replica's influence (`sync.robust`; default "trimmed"). A run whose
+weights stop being finite is reported as diverged (bits per byte null in the JSON).
 """
 
 from __future__ import annotations
@@ -36,19 +44,25 @@ import sys
 import time
 from dataclasses import dataclass, replace
 
+import numpy as np
 import torch
 
 from node.data import Corpus
 from node.device import resolve_precision
 from node.inner_step import inner_step, make_optimizer, prepare_stage
 from node.model import Stage, build_full_model, lm_loss
-from node.outer_sync import OuterSync
-from node.sparseloco_sync import make_sync_parts
+from node.outer_sync import Encoding, FragmentId, OuterSync
+from node.sparseloco_sync import SparseLoCoCodec, make_sync_parts
 from protocol.identity import Identity
 from protocol.runspec import ModelSpec, RunSpec, SyncSpec, TrainSpec
+from protocol.sparseloco import CompressedFragment, SparseLoCoConfig, decompress
+from protocol.sparseloco_format import decode_fragment, encode_fragment
 from protocol.store import ObjectStore, StoreConfig
 
 ARMS = ("adamw", "diloco", "sparseloco", "stream_tau1", "stream_tau2")
+ATTACKS = ("x100", "flip", "floatmax")
+FLOATMAX_TARGET = 1e38
+"""Largest |value| of a "floatmax" forgery: float32's max is 3.4e38, so two of them summed overflow."""
 
 
 @dataclass(kw_only=True, frozen=True)
@@ -74,6 +88,61 @@ class Result:
     rounds: int = 0
     rejected: int = 0
     missing: int = 0
+    diverged_at: int | None = None
+    """Inner step after which the weights or the loss stopped being finite (None: they never did)."""
+
+
+@dataclass(kw_only=True, frozen=True)
+class Attack:
+    """One hostile replica: forged fragments in outer rounds first..last (1-based, inclusive)."""
+
+    kind: str
+    replica: int
+    first: int
+    last: int
+
+    def active(self, rnd: int) -> bool:
+        """rnd: OuterSync's 0-based round number."""
+        return self.first <= rnd + 1 <= self.last
+
+
+def forge(cf: CompressedFragment, kind: str) -> CompressedFragment:
+    """The honest fragment cf turned into a hostile one of the same shape (it still decodes: scales stay
+    non-negative and dense values within [-1, 1])."""
+    if kind == "x100":
+        return replace(
+            cf, ref_scale=cf.ref_scale * np.float32(100), dense_scale=cf.dense_scale * np.float32(100)
+        )
+    if kind == "flip":
+        return replace(cf, table=-cf.table, dense=-cf.dense)
+    if kind == "floatmax":  # decoded |value| = |table| * s_c <= |table|max * ref: make that 1e38
+        peak = np.abs(cf.table).max(axis=1) if cf.table.size else np.zeros(0, np.float32)
+        ref = np.where(peak > 0, FLOATMAX_TARGET / np.maximum(peak, 1e-30), 0).astype(np.float32)
+        dense_scale = np.full_like(cf.dense_scale, FLOATMAX_TARGET)
+        return replace(cf, ref_scale=ref, dense_scale=dense_scale)
+    raise ValueError(f"unknown attack {kind!r}; choose from {', '.join(ATTACKS)}")
+
+
+class ForgingCodec(SparseLoCoCodec):
+    """A replica holding a valid key that trains and keeps its error feedback honestly, but in the attack
+    window uploads a forged fragment signed with that key (every receiver verifies and decodes it)."""
+
+    def __init__(self, identity: Identity, cfg: SparseLoCoConfig, attack: Attack) -> None:
+        super().__init__(identity, cfg, device_path=False)
+        self.attack = attack
+
+    def encode(self, fid: FragmentId, delta: list[torch.Tensor]) -> Encoding:
+        honest = super().encode(fid, delta)
+        if not self.attack.active(fid.round):
+            return honest
+
+        def forged() -> tuple[bytes, list[torch.Tensor]]:
+            data, _ = honest()
+            header, cf, _ = decode_fragment(data)
+            bad = forge(cf, self.attack.kind)
+            return encode_fragment(self.identity, header, bad), decompress(bad)
+
+        return forged
 
 
 CPU = torch.device("cpu")
@@ -131,6 +200,7 @@ def run_outer(
     val: list[torch.Tensor],
     store: ObjectStore,
     log: logging.Logger,
+    attack: Attack | None = None,
 ) -> Result:
     spec = RunSpec(run_id=f"bench-{name.replace('_', '-')}-{int(time.time() * 1000) % 10**9}", sync=sync)
     ids = [Identity.from_seed(bytes([r + 1]) * 32) for r in range(s.replicas)]
@@ -139,11 +209,16 @@ def run_outer(
     for r in range(s.replicas):
         model, opt = new_model(s)
         parts = make_sync_parts(spec, ids[r])  # the swarm's codec, aggregation and outer momentum
+        codec = parts.codec
+        if attack is not None and r == attack.replica:
+            if not isinstance(codec, SparseLoCoCodec):
+                raise ValueError(f"--attack needs a SparseLoCo arm; {name} is {sync.method}")
+            codec = ForgingCodec(ids[r], codec.cfg, attack)
         syncs.append(
             OuterSync(
                 list(model.parameters()),
                 store=store,
-                codec=parts.codec,
+                codec=codec,
                 aggregate=parts.aggregate,
                 run_id=spec.run_id,
                 stage=0,
@@ -161,15 +236,22 @@ def run_outer(
         replicas.append((model, opt))
     t = s.train
     t0 = time.perf_counter()
+    diverged_at = None
     for step in range(t.total_steps):
         losses = [
             train_on(m, o, s, step, corpus.train_batch(t.data_seed, r, step, t.batch_size, s.model.seq_len))
             for r, (m, o) in enumerate(replicas)
         ]
+        if not all(math.isfinite(x) for x in losses):
+            diverged_at = step
+            break
         for sy in syncs:  # capture phase for every replica, then apply phase: no replica waits on itself
             sy.capture_due(step + 1)
         for sy in syncs:
             sy.apply_due(step + 1)
+        if not all(bool(torch.isfinite(a).all()) for a in syncs[0].anchor):
+            diverged_at = step + 1
+            break
         if step % 100 == 0 or step == t.total_steps - 1:
             log.info(
                 "%s step %4d train bpb %.4f (mean over replicas)",
@@ -177,6 +259,8 @@ def run_outer(
                 step,
                 sum(losses) / len(losses) / math.log(2),
             )
+    if diverged_at is not None:
+        log.warning("%s: weights or loss no longer finite after step %d; stopped", name, diverged_at)
     for sy in syncs:
         sy.finish()  # streaming: apply the fragments captured in the last tau steps
     train_s = time.perf_counter() - t0
@@ -186,13 +270,13 @@ def run_outer(
             raise AssertionError(f"{name}: replicas ended with different consensus weights")
     consensus, _ = new_model(s)
     with torch.no_grad():
-        for p, a in zip(consensus.parameters(), anchors[0], strict=True):
-            p.copy_(a)
+        for p, w in zip(consensus.parameters(), anchors[0], strict=True):
+            p.copy_(w)
     st = [sy.stats for sy in syncs]
     rounds = st[0].rounds_applied / sync.P
     return Result(
         name,
-        evaluate(consensus, val),
+        evaluate(consensus, val) if diverged_at is None else math.nan,
         train_s,
         sync=sync,
         bytes_up_per_round=sum(x.bytes_up for x in st) / len(st) / max(rounds, 1),
@@ -200,7 +284,20 @@ def run_outer(
         rounds=int(rounds),
         rejected=sum(x.rejected for x in st),
         missing=sum(x.missing for x in st),
+        diverged_at=diverged_at,
     )
+
+
+def parse_rounds(text: str) -> tuple[int, int]:
+    """ "3-8" -> (3, 8); "5" -> (5, 5); 1-based, inclusive."""
+    a, _, b = text.partition("-")
+    try:
+        first, last = int(a), int(b or a)
+    except ValueError:
+        raise ValueError(f"rounds {text!r} must be FIRST-LAST or N (example: 3-8)") from None
+    if not 1 <= first <= last:
+        raise ValueError(f"rounds {text!r} need 1 <= FIRST <= LAST (example: 3-8)")
+    return first, last
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -217,7 +314,22 @@ def main(argv: list[str] | None = None) -> int:
         "--beta", type=float, default=0.7, help="SparseLoCo error-feedback decay (default 0.7, tuned here)"
     )
     ap.add_argument("--aggregation", choices=["mean", "per_coordinate"], default="per_coordinate")
-    ap.add_argument("--clip-median-norm", action="store_true", help="SparseLoCo: clip to the median norm")
+    ap.add_argument(
+        "--robust",
+        choices=["trimmed", "clip_median", "none"],
+        default=SyncSpec.robust,
+        help=f"bound on one replica's influence, sync.robust (default {SyncSpec.robust})",
+    )
+    ap.add_argument("--clip-median-norm", action="store_true", help="the same as --robust clip_median")
+    ap.add_argument(
+        "--max-norm-ratio", type=float, default=SyncSpec.max_norm_ratio, help="sync.max_norm_ratio"
+    )
+    ap.add_argument("--max-abs-ratio", type=float, default=SyncSpec.max_abs_ratio, help="sync.max_abs_ratio")
+    ap.add_argument("--trim", type=float, default=SyncSpec.trim, help="sync.trim")
+    ap.add_argument("--min-agreement", type=float, default=SyncSpec.min_agreement, help="sync.min_agreement")
+    ap.add_argument("--attack", choices=ATTACKS, help="one replica uploads forged fragments (see above)")
+    ap.add_argument("--attack-replica", type=int, help="the hostile replica (default the last)")
+    ap.add_argument("--attack-rounds", default="3-8", help="1-based outer rounds of the attack (default 3-8)")
     ap.add_argument("--diloco-alpha", type=float, default=1.0, help="DiLoCo outer lr (default 1.0, tuned)")
     ap.add_argument(
         "--diloco-momentum", type=float, default=0.0, help="DiLoCo Nesterov momentum (default 0, tuned)"
@@ -239,6 +351,18 @@ def main(argv: list[str] | None = None) -> int:
     unknown = set(arms) - set(ARMS)
     if unknown:
         ap.error(f"--arms: unknown arm(s) {sorted(unknown)}; choose from {','.join(ARMS)}")
+    attack = None
+    if args.attack:
+        try:
+            first, last = parse_rounds(args.attack_rounds)
+        except ValueError as e:
+            ap.error(f"--attack-rounds: {e}")
+        who = args.replicas - 1 if args.attack_replica is None else args.attack_replica
+        if not 0 <= who < args.replicas:
+            ap.error(f"--attack-replica {who} must be in 0..{args.replicas - 1}")
+        attack = Attack(kind=args.attack, replica=who, first=first, last=last)
+        if "adamw" in arms or "diloco" in arms:
+            ap.error("--attack forges SparseLoCo fragments: use SparseLoCo arms only (--arms sparseloco)")
     torch.set_num_threads(args.threads)
     logging.basicConfig(level=logging.WARNING, stream=sys.stderr, format="%(message)s")
     log = logging.getLogger("bench_quality")
@@ -266,15 +390,22 @@ def main(argv: list[str] | None = None) -> int:
     except ValueError as e:
         ap.error(f"--steps/--batch: {e}")
     s = Setup(model=model, replicas=args.replicas, train=train)
-    sparse = SyncSpec(
-        method="sparseloco",
-        H=args.H,
-        alpha=args.alpha,
-        k=args.k,
-        beta=args.beta,
-        aggregation=args.aggregation,
-        clip_median_norm=args.clip_median_norm,
-    )
+    try:
+        sparse = SyncSpec(
+            method="sparseloco",
+            H=args.H,
+            alpha=args.alpha,
+            k=args.k,
+            beta=args.beta,
+            aggregation=args.aggregation,
+            robust="clip_median" if args.clip_median_norm else args.robust,
+            max_norm_ratio=args.max_norm_ratio,
+            max_abs_ratio=args.max_abs_ratio,
+            min_agreement=args.min_agreement,
+            trim=args.trim,
+        )
+    except ValueError as e:
+        ap.error(str(e))
     syncs = {
         "diloco": SyncSpec(
             method="diloco",
@@ -282,6 +413,11 @@ def main(argv: list[str] | None = None) -> int:
             alpha=args.diloco_alpha,
             outer_momentum=args.diloco_momentum,
             aggregation="mean",
+            robust=sparse.robust,
+            max_norm_ratio=sparse.max_norm_ratio,
+            max_abs_ratio=sparse.max_abs_ratio,
+            min_agreement=sparse.min_agreement,
+            trim=sparse.trim,
         ),
         "sparseloco": sparse,
         "stream_tau1": replace(sparse, P=args.P, tau=1),
@@ -312,7 +448,7 @@ def main(argv: list[str] | None = None) -> int:
             r = (
                 run_adamw(s, corpus, val, log)
                 if name == "adamw"
-                else run_outer(name, syncs[name], s, corpus, val, store, log)
+                else run_outer(name, syncs[name], s, corpus, val, store, log, attack)
             )
             log.info("%s: val bpb %.4f (%.0f s)", name, r.val_bpb, r.train_s)
             results.append(r)
@@ -359,6 +495,10 @@ def main(argv: list[str] | None = None) -> int:
         "k": args.k,
         "beta": args.beta,
         "aggregation": args.aggregation,
+        "robust": sparse.robust,
+        "attack": None
+        if attack is None
+        else {"kind": attack.kind, "replica": attack.replica, "rounds": [attack.first, attack.last]},
         "diloco_alpha": args.diloco_alpha,
         "diloco_momentum": args.diloco_momentum,
         "lr": train.lr,
@@ -367,7 +507,8 @@ def main(argv: list[str] | None = None) -> int:
         "seq_len": model.seq_len,
         "batch": train.batch_size,
         "params": model.n_params,
-        "val_bpb": {r.name: round(r.val_bpb, 5) for r in results},
+        "val_bpb": {r.name: round(r.val_bpb, 5) if math.isfinite(r.val_bpb) else None for r in results},
+        "diverged_at": {r.name: r.diverged_at for r in results if r.diverged_at is not None},
         "gap_sparseloco_vs_adamw": gap("sparseloco", "adamw"),
         "gap_diloco_vs_adamw": gap("diloco", "adamw"),
         "gap_tau1_vs_sparseloco": gap("stream_tau1", "sparseloco"),

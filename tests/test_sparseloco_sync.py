@@ -444,14 +444,20 @@ def test_sync_spec_and_factory() -> None:
     dense = make_sync_parts(RunSpec(run_id="t", sync=SyncSpec(method="diloco", outer_momentum=0.9)), IDS[0])
     assert type(dense.codec).__name__ == "DenseCodec" and dense.momentum == 0.9
     x = {0: [torch.tensor([1.0, 0.0])], 1: [torch.tensor([3.0, 2.0])]}
-    assert parts.aggregate(x)[0].tolist() == [2.0, 2.0]  # per-coordinate: 2.0 is not diluted to 1.0
-    mean = make_sync_parts(RunSpec(run_id="t", sync=SyncSpec(aggregation="mean")), IDS[0])
+    bare = make_sync_parts(RunSpec(run_id="t", sync=SyncSpec(robust="none")), IDS[0])
+    assert bare.aggregate(x)[0].tolist() == [2.0, 2.0]  # per-coordinate: 2.0 is not diluted to 1.0
+    mean = make_sync_parts(RunSpec(run_id="t", sync=SyncSpec(aggregation="mean", robust="none")), IDS[0])
     assert mean.aggregate(x)[0].tolist() == [2.0, 1.0]
+    # the default bounds one replica's influence: replica 1 is scaled to the (lower) median norm, |x_0| = 1
+    assert SyncSpec().robust == "trimmed"
+    assert math.hypot(*parts.aggregate(x)[0].tolist()) < math.hypot(2.0, 2.0)
     for bad, what in [
         ({"chunk": 4000}, "perfect square"),
         ({"k": 0}, "sync.k"),
         ({"beta": 1.5}, "sync.beta"),
         ({"aggregation": "median"}, "aggregation"),
+        ({"robust": "median"}, "sync.robust"),
+        ({"max_norm_ratio": 0.0}, "sync.max_norm_ratio"),
         ({"method": "adam"}, "method"),
         ({"outer_momentum": 1.0}, "outer_momentum"),
     ]:

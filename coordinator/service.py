@@ -156,7 +156,14 @@ class Coordinator:
         )
 
     def _check_control(self, run: ManagedRun) -> None:
-        data = self.store.get(keys.control_key(run.record.spec.run_id), max_bytes=64 * 1024)
+        """Act on the run's control object (a stop request) if a trusted key signed it. Anyone with store
+        credentials can write there: an unsigned, forged, oversized or unreadable object is logged and
+        ignored, and the run goes on."""
+        try:
+            data = self.store.get(keys.control_key(run.record.spec.run_id), max_bytes=64 * 1024)
+        except StoreError as e:  # ObjectTooLarge included: never downloaded
+            log.warning("run %s: ignoring control object: %s", run.record.spec.run_id, e)
+            return
         if data is None or run.record.state == "stopping":
             return
         try:

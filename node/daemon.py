@@ -27,8 +27,8 @@ from protocol import keys
 from protocol.dht_client import DHTClient, dht_time
 from protocol.identity import Identity, public_key_of_peer_id
 from protocol.memory import GB, fits, stage_memory
-from protocol.messages import Assignment, NodeAdvert, RunRecord
-from protocol.schema import ProtocolError
+from protocol.messages import MAX_PRICE_PER_HOUR, Assignment, NodeAdvert, RunRecord
+from protocol.schema import ProtocolError, check_range
 from protocol.store import ObjectStore, StoreConfig, StoreError
 
 log = logging.getLogger(__name__)
@@ -81,6 +81,16 @@ class NodeConfig:
             )
         if self.advert_ttl_s < 3:
             raise ValueError(f"advert_ttl_s must be at least 3 s, got {self.advert_ttl_s}")
+        # the advert's own rules, checked here so a bad figure stops the start, not every advert refresh
+        check_range("price_per_hour (--price-per-hour)", self.price_per_hour, 0, MAX_PRICE_PER_HOUR)
+        for name, port in (
+            ("port", self.port),
+            ("dht_port", self.dht_port),
+            ("health_port", self.health_port),
+        ):
+            check_range(f"{name} (--{name.replace('_', '-')})", port, 0, 65535)
+        check_range("poll_s", self.poll_s, 0.01, 3600)
+        check_range("torch_threads (--torch-threads)", self.torch_threads, 0, 4096)
         if self.operator_key:
             try:
                 public_key_of_peer_id(self.operator_key)
@@ -133,7 +143,10 @@ class NodeDaemon:
         self._stop_reason: str | None = None
         self._worker_thread: threading.Thread | None = None
         self._worker: StageWorker | None = None
-        self.store = ObjectStore(cfg.store) if cfg.store else None
+        try:
+            self.store = ObjectStore(cfg.store) if cfg.store else None
+        except StoreError as e:  # e.g. a remote store and no credentials anywhere
+            raise ValueError(str(e)) from e
         self.server = listen(cfg.host, cfg.port)
         self.acceptor = Acceptor(self.server, peer_id=self.identity.peer_id)  # hellos addressed to us only
         self.dht = DHTClient(identity, bootstrap=cfg.bootstrap, host=cfg.host, port=cfg.dht_port)

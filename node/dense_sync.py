@@ -13,7 +13,7 @@ from protocol.identity import Identity
 
 
 def fragment_header(fid: FragmentId) -> dict:
-    """The header fields a fragment is signed under (store key `{run}/sync/s{stage}/f{f}/r{round}/{replica}`)."""
+    """The header fields a fragment is signed under (store key `{run}/sync/s{stage}/f{f}/r{round}/{replica}/{signer}/{sha256}`)."""
     return {
         "run_id": fid.run_id,
         "stage": fid.stage,
@@ -37,6 +37,10 @@ class DenseCodec(FragmentCodec):
         self, fid: FragmentId, data: bytes, shapes: list[torch.Size], signer: str
     ) -> list[torch.Tensor]:
         return decode_dense(data, fragment_header(fid), shapes, signer)
+
+    @property
+    def signer(self) -> str:
+        return self.identity.peer_id
 
     @property
     def max_fragment_bytes(self) -> int:

@@ -74,6 +74,11 @@ class FragmentCodec(Protocol):
         ...
 
     @property
+    def signer(self) -> str:
+        """Peer id of the identity that signs our fragments."""
+        ...
+
+    @property
     def max_fragment_bytes(self) -> int:
         """The largest object a valid fragment can be: anything bigger at a fragment key is not fetched."""
         ...
@@ -222,78 +227,94 @@ class OuterSync:
             return None, None
         return (True, None) if stored == data else (False, stored)
 
+    def _listing(self, fid: FragmentId, signers: dict[int, str]) -> dict[int, list[str]]:
+        """Fragment keys of this round per replica, keeping only those named by the replica's signer in
+        effect (anything else under the round is not looked at). An unanswered LIST reads as empty."""
+        prefix = keys.sync_prefix(fid.run_id, fid.stage, fid.fragment, fid.round)
+        try:
+            listed = self.store.list(prefix)
+        except StoreError as e:
+            log.warning("listing %s failed (retrying until the round's deadline): %s", prefix, e)
+            return {}
+        found: dict[int, list[str]] = {}
+        for key in sorted(listed):
+            parsed = keys.parse_sync_key(prefix, key)
+            if parsed is not None and signers.get(parsed[0]) == parsed[1]:
+                found.setdefault(parsed[0], []).append(key)
+        return found
+
+    def _fetch_valid(
+        self, fid: FragmentId, key: str, shapes: list[torch.Size], signer: str
+    ) -> list[torch.Tensor] | None:
+        """The decoded fragment at `key` if its bytes match the key's hash and verify against `signer`;
+        None if the store did not answer (asked again at the next poll). Raises ProtocolError (or
+        ObjectTooLarge) for an object that is not a valid fragment of this slot."""
+        try:
+            blob = self.store.get(key, max_bytes=self.codec.max_fragment_bytes)
+        except ObjectTooLarge:
+            raise
+        except StoreError as e:  # transient (503, reset, timeout)
+            log.debug("fetch of %s failed (retrying until the round's deadline): %s", key, e)
+            return None
+        if blob is None:
+            return None
+        self._count(down=len(blob))
+        if keys.content_digest(blob) != key.rsplit("/", 1)[1]:
+            raise ProtocolError("its bytes do not match the hash its key names (truncated or planted)")
+        return self.codec.decode(fid, blob, shapes, signer)
+
     def _exchange(self, fid: FragmentId, encoding: Encoding, shapes: list[torch.Size]) -> _Exchanged:
         """I/O thread: finish encoding ours, upload it, then fetch every other replica's until all arrived
         or the deadline.
 
-        Our own key is resolved like a peer's: if it holds other bytes, the round uses what every other
-        replica reads there (a valid fragment of this slot, e.g. from before a restart, or nothing)."""
+        A slot is settled only by a valid fragment signed by the replica's signer in effect, found at a key
+        that names that signer and the fragment's hash. Anything else under the round (a squatter's object,
+        a truncated or forged one, one signed by a stranger) is counted as rejected and never read again,
+        and the slot stays open until the deadline: planting garbage cannot empty a round. Our own slot is
+        resolved like a peer's: if it already holds a valid fragment of ours (uploaded before a restart),
+        every replica may have used that one, so we use it too and do not upload a second."""
         data, own = encoding()
         me = fid.replica
-        own_key = keys.sync_key(fid.run_id, fid.stage, fid.fragment, fid.round, me)
+        signers = {**self.stage_peers, me: self.codec.signer}
+        own_key = keys.sync_key(fid.run_id, fid.stage, fid.fragment, fid.round, me, signers[me], data)
         contribs: dict[int, list[torch.Tensor]] = {}
-        rejected: set[int] = set()
+        bad: set[str] = set()  # keys that held no valid fragment of their slot
+        uploaded = False
         why_not_ours = "the object store did not answer before the deadline"
-
-        def resolve_own() -> None:
-            nonlocal why_not_ours
-            state, stored = self._put_once(own_key, data)
-            if state is True:
-                contribs[me] = own
-            elif state is False and stored is not None:
-                self._count(down=len(stored))
-                try:  # what the other replicas will use: validated against this slot's signer
-                    contribs[me] = self.codec.decode(fid, stored, shapes, self.stage_peers.get(me, ""))
-                    why_not_ours = (
-                        "the key already held a valid fragment of this slot (written before a restart)"
-                    )
-                except ProtocolError as e:
-                    rejected.add(me)
-                    why_not_ours = f"the key already held other bytes, rejected by everyone: {e}"
-
-        resolve_own()
         deadline = time.monotonic() + self.timeout_s
-        prefix = keys.sync_prefix(fid.run_id, fid.stage, fid.fragment, fid.round)
         while True:
-            wanted = (set(self.stage_peers) | {me}) - set(contribs) - rejected
-            if not wanted or time.monotonic() > deadline:
-                break
-            if me in wanted:
-                resolve_own()
-                wanted.discard(me)
-            try:
-                present = {
-                    int(k.rsplit("/", 1)[1]) for k in self.store.list(prefix) if k.rsplit("/", 1)[1].isdigit()
-                }
-            except StoreError as e:
-                log.warning("listing %s failed: %s", prefix, e)
-                present = set()
-            for r in sorted(wanted & present):
-                key = keys.sync_key(fid.run_id, fid.stage, fid.fragment, fid.round, r)
-                try:
-                    blob = self.store.get(key, max_bytes=self.codec.max_fragment_bytes)
-                except ObjectTooLarge as e:  # no valid fragment is this big: reject it unread
-                    rejected.add(r)
-                    with self._lock:
-                        self.stats.rejected += 1
-                    log.warning("rejected fragment of replica %d for %s: %s", r, fid, e)
-                    continue
-                except StoreError as e:  # transient (503, reset, timeout): asked again at the next poll
-                    log.debug("fetch of %s failed (retrying until the round's deadline): %s", key, e)
-                    continue
-                if blob is None:
-                    continue
-                self._count(down=len(blob))
+            found = self._listing(fid, signers)
+            for r in sorted(set(signers) - set(contribs)):
                 other = FragmentId(fid.run_id, fid.stage, fid.fragment, fid.round, r)
-                try:
-                    contribs[r] = self.codec.decode(other, blob, shapes, self.stage_peers[r])
-                except ProtocolError as e:
-                    rejected.add(r)
-                    with self._lock:
-                        self.stats.rejected += 1
-                    log.warning("rejected fragment of replica %d for %s: %s", r, fid, e)
-            if (set(self.stage_peers) | {me}) - set(contribs) - rejected:
-                time.sleep(self.poll_s)
+                for key in found.get(r, []):
+                    if key in bad or (r == me and key == own_key):
+                        continue
+                    try:
+                        got = self._fetch_valid(other, key, shapes, signers[r])
+                    except (ProtocolError, ObjectTooLarge) as e:
+                        bad.add(key)
+                        with self._lock:
+                            self.stats.rejected += 1
+                        log.warning("rejected an object under replica %d's slot of %s: %s", r, fid, e)
+                        continue
+                    if got is not None:
+                        contribs[r] = got
+                        if r == me:
+                            why_not_ours = (
+                                "a valid fragment of ours was already in the store (from before a restart)"
+                            )
+                        break
+                if r == me and me not in contribs and not uploaded:
+                    state, _ = self._put_once(own_key, data)
+                    if state is True:
+                        uploaded = True
+                        contribs[me] = own
+                    elif state is False:  # our exact key held other bytes: only someone who knew our bytes
+                        bad.add(own_key)
+                        why_not_ours = "our fragment's key already held other bytes"
+            if not set(signers) - set(contribs) or time.monotonic() > deadline:
+                break
+            time.sleep(self.poll_s)
         ours_used = contribs.get(me) is own
         if not ours_used:
             with self._lock:
@@ -303,7 +324,7 @@ class OuterSync:
                 fid,
                 why_not_ours,
             )
-        missing = set(self.stage_peers) - set(contribs) - rejected - {me}
+        missing = set(signers) - set(contribs) - {me}
         if missing:
             with self._lock:
                 self.stats.missing += len(missing)

@@ -97,6 +97,10 @@ class SparseLoCoCodec(FragmentCodec):
             e.add_(u.to(e.device))
 
     @property
+    def signer(self) -> str:
+        return self.identity.peer_id
+
+    @property
     def max_fragment_bytes(self) -> int:
         return MAX_FRAGMENT_BYTES
 

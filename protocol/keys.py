@@ -5,6 +5,8 @@ Each run is isolated under its own store prefix `{run}/` and its own DHT keys.
 
 from __future__ import annotations
 
+import hashlib
+
 SWARM = "crucible"
 
 # --- DHT -----------------------------------------------------------------------------------------
@@ -46,10 +48,36 @@ def sync_prefix(run: str, stage: int, frag: int, rnd: int) -> str:
     return f"{run}/sync/s{stage}/f{frag}/r{rnd}/"
 
 
-def sync_key(run: str, stage: int, frag: int, rnd: int, replica: int) -> str:
-    """One replica's signed pseudo-gradient fragment for one round. Write-once (If-None-Match PUT), so
-    every reader sees the same bytes; readers verify the signer expected for `replica`."""
-    return f"{sync_prefix(run, stage, frag, rnd)}{replica}"
+def slot_prefix(run: str, stage: int, frag: int, rnd: int, replica: int) -> str:
+    """Where replica `replica`'s fragments of one round live, whoever signed them."""
+    return f"{sync_prefix(run, stage, frag, rnd)}{replica}/"
+
+
+def content_digest(data: bytes) -> str:
+    return hashlib.sha256(data).hexdigest()
+
+
+def sync_key(run: str, stage: int, frag: int, rnd: int, replica: int, signer: str, data: bytes) -> str:
+    """One replica's signed pseudo-gradient fragment for one round, named by its signer and content:
+    `{slot}{signer peer id}/{sha256 of the bytes}`. Any holder of store credentials can write any key,
+    so a key nobody can predict before the signer writes it is what makes the slot the signer's in
+    effect: garbage under the slot (a squatter's, a truncated upload) sits beside the real fragment
+    instead of taking its place, and readers use only what verifies against the key's hash and the
+    signer in effect for the replica. Written once (If-None-Match)."""
+    return f"{slot_prefix(run, stage, frag, rnd, replica)}{signer}/{content_digest(data)}"
+
+
+def parse_sync_key(prefix: str, key: str) -> tuple[int, str, str] | None:
+    """(replica, signer, digest) of a fragment key under a round's `prefix`, or None for any other name."""
+    if not key.startswith(prefix):
+        return None
+    parts = key[len(prefix) :].split("/")
+    if len(parts) != 3 or not parts[0].isdigit() or len(parts[0]) > 6 or len(parts[2]) != 64:
+        return None
+    replica, signer, digest = parts
+    if not signer or any(c not in "0123456789abcdef" for c in digest):
+        return None
+    return int(replica), signer, digest
 
 
 def ckpt_key(run: str, step: int, stage: int) -> str:

@@ -6,11 +6,12 @@ boto3 does the protocol; this adds byte accounting, conditional writes for the c
 
 from __future__ import annotations
 
-import os
 import threading
 from dataclasses import dataclass
+from urllib.parse import urlsplit
 
 import boto3
+import boto3.session
 import botocore.config
 import botocore.exceptions
 
@@ -32,11 +33,35 @@ class StoreConfig:
     bucket: str = "crucible"
     """Bucket holding every run (each under its own prefix)."""
     access_key: str = ""
-    """Access key id; empty = AWS_ACCESS_KEY_ID from the environment."""
+    """Access key id; empty = boto3's credential chain (AWS_ACCESS_KEY_ID, AWS_PROFILE, ~/.aws/credentials,
+    instance roles), and on a loopback endpoint with none of those a placeholder the embedded store takes."""
     secret_key: str = ""
-    """Secret key; empty = AWS_SECRET_ACCESS_KEY from the environment."""
+    """Secret key; empty = as for access_key."""
     region: str = "auto"
     """Region name (R2 uses "auto")."""
+
+
+_LOOPBACK = ("127.0.0.1", "localhost", "::1", "[::1]")
+
+
+def _credentials(cfg: StoreConfig, session: boto3.session.Session) -> tuple[str | None, str | None, str]:
+    """(access key, secret key, where they came from). Keys in the config win; then boto3's own chain
+    (None, None: boto3 resolves them per request and refreshes expiring ones); then, for a store on this
+    host only, a placeholder. A remote store with no credentials anywhere is refused here, by name."""
+    if cfg.access_key or cfg.secret_key:
+        if not (cfg.access_key and cfg.secret_key):
+            raise StoreError("store: set both access_key and secret_key, or neither (to use boto3's chain)")
+        return cfg.access_key, cfg.secret_key, "config"
+    found = session.get_credentials()
+    if found is not None:
+        return None, None, str(found.method)
+    if urlsplit(cfg.endpoint_url).hostname in _LOOPBACK:
+        return "crucible", "crucible", "loopback placeholder"
+    raise StoreError(
+        f"no credentials for the object store {cfg.endpoint_url}: set access_key and secret_key in the "
+        "[store] section, or AWS_ACCESS_KEY_ID and AWS_SECRET_ACCESS_KEY, or an AWS profile "
+        "(AWS_PROFILE, ~/.aws/credentials)"
+    )
 
 
 class ObjectStore:
@@ -45,11 +70,13 @@ class ObjectStore:
     def __init__(self, cfg: StoreConfig, *, timeout_s: float = 30.0) -> None:
         self.cfg = cfg
         self.bucket = cfg.bucket
-        self.client = boto3.client(
+        session = boto3.session.Session()
+        access, secret, self.credential_source = _credentials(cfg, session)
+        self.client = session.client(
             "s3",
             endpoint_url=cfg.endpoint_url,
-            aws_access_key_id=cfg.access_key or os.environ.get("AWS_ACCESS_KEY_ID", "crucible"),
-            aws_secret_access_key=cfg.secret_key or os.environ.get("AWS_SECRET_ACCESS_KEY", "crucible"),
+            aws_access_key_id=access,
+            aws_secret_access_key=secret,
             region_name=cfg.region if cfg.region != "auto" else "us-east-1",
             # "standard" retries: 429/503 SlowDown, throttling and resets, with exponential backoff and jitter
             config=botocore.config.Config(

@@ -207,14 +207,18 @@ class Swarm:
         for node in self.nodes:
             self.health.append(node.wait_for(r"health=(\S+)/health", ready_timeout_s).group(1))
 
-    def add_node(self, i: int) -> Child:
+    def add_node(self, i: int, *, store_url: str | None = None) -> Child:
+        """Start node i; `store_url` gives it its own way to the store (tests put a fault proxy there)."""
+        flags = self.swarm_flags()
+        if store_url is not None:
+            flags[flags.index("--store-endpoint") + 1] = store_url
         node = self._spawn(
             f"node{i}",
             [
                 "-m",
                 "node.cli",
                 "join",
-                *self.swarm_flags(),
+                *flags,
                 "--operator-key",
                 self.operator.peer_id,
                 "--key-file",

@@ -371,3 +371,28 @@ def test_the_run_id_pattern_takes_no_trailing_newline() -> None:
     with pytest.raises(ValueError) as e:
         RunSpec(run_id="a" * 10**6)
     assert len(str(e.value)) < 200
+
+
+@pytest.mark.parametrize(
+    ("flags", "named"),
+    [
+        (["--price-per-hour", "-1"], "price_per_hour (--price-per-hour)=-1"),
+        (["--price-per-hour", "nan"], "price_per_hour: nan is not a finite number"),
+        (["--port", "70000"], "port (--port)=70000"),
+        (["--health-port", "-5"], "health_port (--health-port)=-5"),
+    ],
+)
+def test_a_node_s_own_out_of_range_figures_stop_its_start(
+    flags: list[str], named: str, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """Issue 10 finding 9, node side: a negative price used to pass the start and then fail every advert
+    refresh with a warning (the node never showed up for placement). It now stops `join` up front with
+    exit 2 and one line naming the flag, the value and the rule; nothing is started."""
+    from node.cli import main
+
+    operator = Identity.from_seed(b"\x07" * 32).peer_id
+    bootstrap = f"/ip4/127.0.0.1/tcp/9/p2p/{operator}"  # never dialled: the figures are checked first
+    argv = ["join", "--operator-key", operator, "--bootstrap", bootstrap, *flags]
+    assert main(argv) == 2
+    err = capsys.readouterr().err
+    assert err.startswith("error: ") and named in err and "Traceback" not in err

@@ -121,3 +121,35 @@ def test_a_coordinator_taking_over_a_running_run_adopts_its_placement(store: Obj
         assert run.epoch == 3 and set(run.assignments) == set(nodes.values())
     finally:
         dht.shutdown()
+
+
+def test_forged_garbage_or_oversized_control_objects_do_not_stop_a_run(store: ObjectStore) -> None:
+    """Issue 10 finding 2, store side: any holder of store credentials can write a run's control object.
+    A stop signed by a stranger, garbage and a 1 MiB object are ignored (the oversized one unread) and the
+    coordinator's tick goes on; the operator's signed stop then stops the run."""
+    from coordinator.service import Coordinator
+    from protocol.dht_client import DHTClient, dht_time
+    from protocol.messages import RunControl, RunRecord
+    from protocol.runspec import ModelSpec, RunSpec
+
+    rid = run_id()
+    spec = RunSpec(run_id=rid, replicas=2, stages=2, model=ModelSpec(d_model=32, n_layers=2, n_heads=2))
+    dht = DHTClient(OPERATOR)
+    try:
+        record = RunRecord(spec=spec, state="pending", term=0, coordinator="", updated=dht_time())
+        assert dht.publish(keys.RUNS_KEY, record, 60, name=rid)
+        coord = Coordinator(OPERATOR, dht, store, lease_s=15)
+        coord.tick()
+        assert coord.runs[rid].record.state == "pending"  # no nodes: nothing placed yet
+        stop = RunControl(run_id=rid, action="stop", issued_at=time.time())
+        down0 = store.bytes_down
+        for planted in (seal(Identity.generate(), stop), b"\x93garbage", b"\0" * (1 << 20)):
+            store.put(keys.control_key(rid), planted)
+            coord.tick()
+            assert coord.runs[rid].record.state == "pending"
+        assert store.bytes_down - down0 < 1 << 20  # the oversized object was refused from its size
+        store.put(keys.control_key(rid), seal(OPERATOR, stop))
+        coord.tick()
+        assert coord.runs[rid].record.state == "stopped"
+    finally:
+        dht.shutdown()

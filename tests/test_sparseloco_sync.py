@@ -44,6 +44,20 @@ def store(moto_store: str) -> ObjectStore:
     return s
 
 
+def stored_fragment(store: ObjectStore, run_id: str, f: int, rnd: int, r: int) -> bytes | None:
+    """The one fragment under replica r's slot of a round (None if there is none)."""
+    found = store.list(keys.slot_prefix(run_id, 0, f, rnd, r))
+    assert len(found) <= 1, found
+    return store.get(found[0]) if found else None
+
+
+def plant(store: ObjectStore, run_id: str, rnd: int, r: int, blob: bytes) -> str:
+    """Write `blob` under replica r's slot of round `rnd`, at a key naming r's signer and the blob's hash."""
+    key = keys.sync_key(run_id, 0, 0, rnd, r, IDS[r].peer_id, blob)
+    store.put(key, blob)
+    return key
+
+
 def make_params(shapes: list[tuple[int, ...]]) -> list[torch.nn.Parameter]:
     g = torch.Generator().manual_seed(0)
     return [torch.nn.Parameter(torch.randn(s, generator=g) * 0.02) for s in shapes]
@@ -138,7 +152,7 @@ def test_a_store_that_fails_fetches_for_a_while_is_retried_until_the_deadline(
         flaky = ObjectStore(StoreConfig(endpoint_url=proxy.url, bucket="sparseloco-sync"))
         t0 = time.monotonic()
         proxy.rule = lambda m, p: (
-            m == "GET" and "/sync/" in p and p.endswith("/0") and time.monotonic() - t0 < 6
+            m == "GET" and "/sync/" in p and f"/0/{IDS[0].peer_id}/" in p and time.monotonic() - t0 < 6
         )
         _, syncs = make_replicas(store, SHAPES, R=2, H=3, tau=1, stores=[store, flaky])
         closer.extend(syncs)
@@ -194,21 +208,21 @@ def test_an_oversized_object_at_a_fragment_key_is_rejected_unread(
     store: ObjectStore, closer: list[OuterSync]
 ) -> None:
     """Issue 10 finding 6 (bounded reads): a 2 GiB object at a fragment key used to be downloaded before
-    the 64 MiB check. Here a 65 MiB object squats replica 1's key of round 0: replica 0 rejects it from
-    its size alone (nothing downloaded), replica 1 finds its key taken, and the round goes on with
-    replica 0's contribution; anchors stay identical."""
+    the 64 MiB check. Here a 65 MiB object is planted under replica 1's slot of round 0, named by its
+    signer: both replicas reject it from its size alone (nothing downloaded), replica 1's own upload
+    lands beside it, and the round uses both contributions; anchors stay identical."""
     run_id, syncs = make_replicas(store, SHAPES, R=2, H=3)
     closer.extend(syncs)
     big = b"\0" * (MAX_FRAGMENT_BYTES + (1 << 20))
-    store.put(keys.sync_key(run_id, 0, 0, 0, 1), big)
+    plant(store, run_id, 0, 1, big)
     down0 = store.bytes_down
     for _ in lockstep(syncs, range(1, 4)):
         pass
     assert_same_anchors(syncs)
     for s in syncs:
-        assert s.stats.rounds_applied == 1 and s.stats.last_contributors == [0]
+        assert s.stats.rounds_applied == 1 and s.stats.last_contributors == [0, 1]
         assert s.stats.bytes_down < 1 << 20  # the squatted object was never fetched
-    assert syncs[0].stats.rejected == 1 and syncs[1].stats.not_uploaded == 1
+        assert s.stats.rejected == 1 and s.stats.not_uploaded == 0
     assert store.bytes_down - down0 < 1 << 20
 
 
@@ -278,79 +292,76 @@ def test_bytes_per_round_match_the_ratio(store: ObjectStore, closer: list[OuterS
 def test_corrupted_fragments_are_rejected_and_the_round_completes(
     store: ObjectStore, closer: list[OuterSync]
 ) -> None:
-    """Replica 2 is an expected stage peer whose uploads are corrupted; replicas 0 and 1 go on."""
+    """Replica 2 is an expected stage peer whose uploads are corrupted; replicas 0 and 1 reject them, wait
+    for a valid one until the round's deadline, and go on without replica 2."""
     H = 2
     run_id, syncs = make_replicas(store, SHAPES, R=2, H=H, expected=3)
     closer.extend(syncs)
+    for s in syncs:
+        s.timeout_s = 1.0
     checker = SparseLoCoCodec(IDS[0], CFG)
     for rnd, kind in enumerate(KINDS):
         fid = FragmentId(run_id, 0, 0, rnd, 2)
         blob = corrupt(kind, IDS[2], fid, SHAPES, CFG)
         with pytest.raises(FragmentError):  # what each replica's I/O thread will see
             checker.decode(fid, blob, [torch.Size(s) for s in SHAPES], IDS[2].peer_id)
-        store.put(keys.sync_key(run_id, 0, 0, rnd, 2), blob)
+        plant(store, run_id, rnd, 2, blob)
         phases = [a for _, a in lockstep(syncs, range(rnd * H + 1, (rnd + 1) * H + 1))]
         assert phases[-1] == [[0], [0]], kind
         for s in syncs:
             assert s.stats.rejected == rnd + 1, kind
-            assert s.stats.rounds_applied == rnd + 1 and s.stats.missing == 0
+            assert s.stats.rounds_applied == rnd + 1 and s.stats.missing == rnd + 1
             assert s.stats.last_contributors == [0, 1]
         assert_same_anchors(syncs)
     for s in syncs:
         assert all(bool(torch.isfinite(a).all()) for a in s.anchor)
 
 
-def test_fragment_keys_are_write_once_and_a_squatted_round_keeps_the_consensus(
-    store: ObjectStore, closer: list[OuterSync]
-) -> None:
-    """Garbage written first at replica 1's own key: nobody uses replica 1's round, consensus stays equal.
-
-    Replica 0 rejects the garbage; replica 1 finds its write refused (If-None-Match), leaves its own
-    contribution out too and puts it back into its error feedback for the next round."""
+def test_squatted_future_rounds_do_not_empty_them(store: ObjectStore, closer: list[OuterSync]) -> None:
+    """Issue 10 finding 6: anyone with store credentials could write replica 1's future fragment keys
+    first (write-once: first writer wins) and leave every round without replica 1. Now a fragment's key
+    names its signer and its content hash, so nobody can take the key of a fragment not yet written:
+    garbage planted under replica 1's slot for rounds 0-2 (at the old key, at keys naming replica 1's
+    signer with a truncated fragment, one signed by a stranger) is rejected and never read again, and
+    every round uses both replicas; anchors stay identical."""
     H = 2
     run_id, syncs = make_replicas(store, SHAPES, R=2, H=H)
     closer.extend(syncs)
-    fid = FragmentId(run_id, 0, 0, 0, 1)
-    squat = corrupt("truncated", IDS[1], fid, SHAPES, CFG)
-    store.put(keys.sync_key(run_id, 0, 0, 0, 1), squat)
-    e_before: list[torch.Tensor] = []
-
-    def snapshot_e(step: int) -> None:  # replica 1's buffer right after encode (Delta minus what it sent)
-        if step == H:
-            e_before.extend(t.clone() for t in syncs[1].codec.e[0])  # type: ignore[attr-defined]
-
-    for _ in lockstep(syncs, range(1, H + 1), before_apply=snapshot_e):
-        pass
-    assert syncs[0].stats.rejected == 1 and syncs[0].stats.not_uploaded == 0
-    assert syncs[1].stats.not_uploaded == 1 and syncs[1].stats.rejected == 0
-    assert [s.stats.last_contributors for s in syncs] == [[0], [0]]
+    planted = 0
+    for rnd in range(3):
+        fid = FragmentId(run_id, 0, 0, rnd, 1)
+        store.put(f"{keys.sync_prefix(run_id, 0, 0, rnd)}1", b"squatted")  # the old layout's key
+        for kind in ("truncated", "untrusted-signer", "nan-scale"):
+            plant(store, run_id, rnd, 1, corrupt(kind, IDS[1], fid, SHAPES, CFG))
+            planted += 1
+    for step, _ in lockstep(syncs, range(1, 3 * H + 1)):
+        if step % H == 0:
+            assert [s.stats.last_contributors for s in syncs] == [[0, 1], [0, 1]], step
     assert_same_anchors(syncs)
-    assert store.get(keys.sync_key(run_id, 0, 0, 0, 1)) == squat  # the first write stays
-    restored = syncs[1].codec.e[0]  # type: ignore[attr-defined]
-    grew = [float(r.abs().sum() - b.abs().sum()) for r, b in zip(restored, e_before, strict=True)]
-    assert all(g > 0 for g in grew), grew  # e += decode(c): the unsent values are back in the buffer
-    # the next round is normal again: both contribute, anchors still identical
-    for _ in lockstep(syncs, range(H + 1, 2 * H + 1)):
-        pass
-    assert [s.stats.last_contributors for s in syncs] == [[0, 1], [0, 1]]
-    assert_same_anchors(syncs)
+    for s in syncs:
+        assert s.stats.rounds_applied == 3 and s.stats.missing == 0 and s.stats.not_uploaded == 0
+    # replica 1 lists its slot before uploading and rejects every planted object once; replica 0 may find
+    # the real fragment first and never read the garbage beside it
+    assert syncs[1].stats.rejected == planted and syncs[0].stats.rejected <= planted
 
 
-def test_a_valid_fragment_already_at_our_key_is_what_the_round_uses(
+def test_a_valid_fragment_already_in_our_slot_is_what_the_round_uses(
     store: ObjectStore, closer: list[OuterSync]
 ) -> None:
-    """A node that replays a round after a restart finds its own earlier, validly signed upload at its key:
-    every replica (itself included) aggregates those stored bytes, so the consensus stays identical."""
+    """A node that replays a round after a restart finds its own earlier, validly signed upload in its
+    slot: every replica (itself included) aggregates those stored bytes and it uploads no second one, so
+    the consensus stays identical."""
     H = 2
     run_id, syncs = make_replicas(store, SHAPES, R=2, H=H)
     closer.extend(syncs)
     fid = FragmentId(run_id, 0, 0, 0, 1)
     earlier = valid_blob(IDS[1], fid, SHAPES, CFG)[0]
-    store.put(keys.sync_key(run_id, 0, 0, 0, 1), earlier)
+    plant(store, run_id, 0, 1, earlier)
     for _ in lockstep(syncs, range(1, H + 1)):
         pass
     assert [s.stats.last_contributors for s in syncs] == [[0, 1], [0, 1]]
     assert syncs[1].stats.not_uploaded == 1 and syncs[0].stats.rejected == 0
+    assert stored_fragment(store, run_id, 0, 0, 1) == earlier  # no second fragment in the slot
     assert_same_anchors(syncs)
 
 
@@ -358,7 +369,7 @@ def test_put_once_tells_ours_from_other_bytes(store: ObjectStore, closer: list[O
     """put_if_absent refuses a second PUT of identical bytes (a retry whose first attempt landed): ours."""
     _, syncs = make_replicas(store, SHAPES, R=1, H=2)
     closer.extend(syncs)
-    key = keys.sync_key(syncs[0].run_id, 0, 0, 0, 0)
+    key = f"{syncs[0].run_id}/put-once"
     assert syncs[0]._put_once(key, b"the same bytes") == (True, None)
     assert syncs[0]._put_once(key, b"the same bytes") == (True, None)
     assert syncs[0]._put_once(key, b"other bytes") == (False, b"the same bytes")
@@ -415,7 +426,7 @@ def test_streaming_applies_at_c_plus_tau_and_keeps_the_drift(
             # Delta_bar from the fragments in the store, decoded independently of the replicas
             contribs = {}
             for r in range(len(syncs)):
-                blob = store.get(keys.sync_key(run_id, 0, f, rnd, r))
+                blob = stored_fragment(store, run_id, f, rnd, r)
                 assert blob is not None
                 fs = [syncs[0].params[i].shape for i in syncs[0].fragments[f]]
                 contribs[r] = SparseLoCoCodec(IDS[r], CFG).decode(

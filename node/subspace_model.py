@@ -212,6 +212,7 @@ def boundary_codecs(
             vocab=model_spec.vocab,
             seq_len=model_spec.seq_len,
             wire_dtype=pipeline_spec.wire_dtype,
+            max_abs=pipeline_spec.wire_max_abs,
         )
         if k == plan.d:
             return SubspaceBoundary(codec, None, None)

@@ -247,6 +247,10 @@ class PipelineSpec:
     """Seed of the shared orthonormal basis U and token table T."""
     wire_dtype: Literal["float32", "bfloat16", "float16"] = "float32"
     """Dtype of activations and activation-gradients on the wire."""
+    wire_max_abs: float = 1e6
+    """Largest |value| of an activation or activation-gradient on a link: a sender refuses to send more, a
+    receiver rejects it (a diverged or hostile neighbour). Honest values stay far below 1e6; see
+    `protocol.subspace.MAX_ABS`."""
     bandwidth_mbps: float = 0.0
     """In-process link shaper: bandwidth per direction in Mbit/s (0 = unshaped)."""
     delay_ms: float = 0.0
@@ -260,6 +264,7 @@ class PipelineSpec:
     def __post_init__(self) -> None:
         check_finite(self)
         check_range("pipeline.projection_seed", self.projection_seed, 0, MAX_SEED)
+        check_range("pipeline.wire_max_abs", self.wire_max_abs, 1.0, 3e38)
         check_range("pipeline.bandwidth_mbps", self.bandwidth_mbps, 0, 1e7)
         check_range("pipeline.delay_ms", self.delay_ms, 0, 1e6)
         check_range("pipeline.recv_timeout_s", self.recv_timeout_s, 0, 1e6)
@@ -287,7 +292,7 @@ class RunSpec:
         check_run_id("run_id", self.run_id)
         if self.replicas <= 0 or self.stages <= 0:
             raise ValueError(f"replicas={self.replicas} and stages={self.stages} must be positive")
-        check_range("replicas", self.replicas, 1, 1 << 16)
+        check_range("replicas", self.replicas, 1, 1 << 16)  # messages.MAX_REPLICAS
         check_range("eval_every", self.eval_every, 0, MAX_STEPS)
         if self.stages > self.model.n_layers:
             raise ValueError(f"stages={self.stages} exceeds model.n_layers={self.model.n_layers}")

@@ -21,6 +21,13 @@ means, as Templar dequantizes to bin means) times s_c. The per-chunk scale costs
 coordinates (1.3% of the bytes); where tiles differ in scale it cuts the quantization error by 10-20%
 (see docs/benchmarks.md), and elsewhere it costs nothing in error.
 
+Bounds a decoder checks (`check_values`, on the tables and scales, not per entry). A chunk keeping k_c
+values of RMS s has |v| <= sqrt(k_c) s, and s_c >= s 2^(-1/16) (nearest grid step; clipping at code 254
+only raises s_c), so |y| <= 2^(1/16) sqrt(k_c); in float32's subnormal range rounding s_c to a multiple
+of 2^-149 costs up to another 1.5x. A bin mean lies within its bin, so every table entry of an honest
+encoder has |table| <= 1.5 * 2^(1/16) sqrt(k) < 2 sqrt(k) (16 for k = 64). And max |table| * ref <= float32's
+max makes every decoded value table * s_c finite, since s_c <= ref. `compress` refuses what fails them.
+
 This module is the math (pure functions on tensors); `protocol.sparseloco_format` is the signed wire
 format with entropy-coded indices.
 """
@@ -42,6 +49,8 @@ _ZERO_CHUNK = 255  # chunk scale code of an all-zero chunk
 # 2^(-code/8) as float32, from correctly rounded Python floats: every host decodes s_c to the same bits.
 _SCALE_LUT = np.array([2.0 ** (-c / _SCALE_STEPS_PER_OCTAVE) for c in range(_ZERO_CHUNK)] + [0.0], np.float32)
 _LLOYD_ITERS = 12
+_F32_MAX = float(np.finfo(np.float32).max)
+_TABLE_BOUND_PER_SQRT_K = 2.0  # honest |table| <= 1.5 * 2^(1/16) sqrt(k) = 1.57 sqrt(k): see the module doc
 
 
 @dataclass(kw_only=True, frozen=True)
@@ -355,10 +364,75 @@ def _chunk_scales(code: np.ndarray, ref: np.ndarray, ct: np.ndarray) -> np.ndarr
     return ref[ct].astype(np.float32) * _SCALE_LUT[code]
 
 
+def table_bound(cfg: SparseLoCoConfig) -> float:
+    """Largest |bin mean| a decoder accepts: 2 sqrt(k); an honest encoder stays below 1.57 sqrt(k)."""
+    return _TABLE_BOUND_PER_SQRT_K * math.sqrt(cfg.k)
+
+
+def _value_problem(cf: CompressedFragment) -> tuple[int, str] | None:
+    """(tensor, what is wrong) for the first tensor whose scales or table no honest encoder writes, or
+    whose decoded values would overflow float32; None if every value decodes finite and plausible.
+    Looks at the tables and scales (T_s 2^b + T_s + T_d numbers) and the dense values (D), not the entries."""
+    lay = cf.layout
+    ref = cf.ref_scale.astype(np.float64)  # (T_s,)
+    table = cf.table.astype(np.float64)  # (T_s, 2^b)
+    peak = np.abs(table).max(axis=1, initial=0.0)  # (T_s,) largest |bin mean|; NaN propagates
+    bound = table_bound(cf.cfg)
+    with np.errstate(invalid="ignore", over="ignore"):
+        bad_ref = ~(np.isfinite(ref) & (ref >= 0))  # (T_s,) each
+        bad_table = ~np.isfinite(table.sum(axis=1))  # a NaN or inf entry survives the float64 sum
+        big = ~(peak <= bound)
+        over = ~(peak * ref <= _F32_MAX)  # decoded |v| = |table| * s_c <= peak * ref, as s_c <= ref
+    bad = np.flatnonzero(bad_ref | bad_table | big | over)
+    if len(bad):
+        j = int(bad[0])
+        i = lay.sparse[j]
+        if bad_ref[j]:
+            return i, f"tensor scale {ref[j]:.4g} is not a finite non-negative number"
+        if bad_table[j]:
+            return i, "bin-mean table holds a non-finite value"
+        if big[j]:
+            return i, (
+                f"bin-mean table holds {peak[j]:.4g}, beyond the {bound:g} = 2 sqrt(k) an encoder can write "
+                "(bin means of y = v / s_c, s_c the chunk RMS)"
+            )
+        return i, f"table x scale = {peak[j] * ref[j]:.4g} overflows float32 (largest {_F32_MAX:.4g})"
+    ds = cf.dense_scale.astype(np.float64)  # (T_d,)
+    bad = np.flatnonzero(~(np.isfinite(ds) & (ds >= 0)))
+    if len(bad):
+        return lay.dense[bad[0]], f"dense scale {ds[bad[0]]:.4g} is not a finite non-negative number"
+    bad = np.flatnonzero(~(np.abs(cf.dense) <= 1))  # NaN fails too
+    if len(bad):
+        j = int(np.searchsorted(lay.dense_start, bad[0], side="right")) - 1
+        return lay.dense[j], f"dense value {float(cf.dense[bad[0]]):.4g} lies outside [-1, 1]"
+    return None
+
+
+def check_values(cf: CompressedFragment) -> None:
+    """Raise `FragmentError` unless every value of cf decodes finite and its tables are ones an honest
+    encoder writes (|table| <= `table_bound`, max |table| x ref within float32). `decompress`,
+    `decoded_entries` and `protocol.sparseloco_device.decompress_to` call it before decoding."""
+    problem = _value_problem(cf)
+    if problem is not None:
+        from protocol.sparseloco_format import FragmentError  # lazy: the wire format imports this module
+
+        raise FragmentError(f"fragment tensor {problem[0]}: {problem[1]}")
+
+
+def refuse_undecodable(cf: CompressedFragment) -> CompressedFragment:
+    """cf, or ValueError if a decoder would reject it (values too large to code): encoders call it last."""
+    problem = _value_problem(cf)
+    if problem is not None:
+        raise ValueError(f"tensor {problem[0]}: {problem[1]}; refusing to compress it")
+    return cf
+
+
 def compress(tensors: list[torch.Tensor], cfg: SparseLoCoConfig) -> CompressedFragment:
     """Q_b(TopK_per_chunk(x)) of each tensor (any float dtype; computed in float32).
 
-    Raises ValueError for an empty or non-floating tensor, or one holding NaN/inf.
+    Raises ValueError for an empty or non-floating tensor, one holding NaN/inf, or one whose values are
+    so large (|x| within a factor 2 sqrt(k) of float32's max: 2e37 for k = 64) that a decoder's
+    `check_values` would reject the fragment.
     """
     xs = [_as_f32(x, i) for i, x in enumerate(tensors)]
     lay = layout(tuple(tuple(int(d) for d in x.shape) for x in xs), cfg)
@@ -380,7 +454,7 @@ def compress(tensors: list[torch.Tensor], cfg: SparseLoCoConfig) -> CompressedFr
     for j, x in enumerate(dense_x):
         s = dense_scale[j]
         dense[lay.dense_start[j] : lay.dense_start[j + 1]] = x / s if s > 0 else 0
-    return CompressedFragment(
+    cf = CompressedFragment(
         shapes=lay.shapes,
         cfg=cfg,
         idx=idx.astype(np.int32),
@@ -391,10 +465,10 @@ def compress(tensors: list[torch.Tensor], cfg: SparseLoCoConfig) -> CompressedFr
         dense=dense,
         dense_scale=dense_scale,
     )
+    return refuse_undecodable(cf)
 
 
-def decoded_entries(cf: CompressedFragment) -> tuple[list[np.ndarray], list[np.ndarray]]:
-    """Per sparse tensor (in `layout.sparse` order): flat offsets of the kept entries and their values."""
+def _entries(cf: CompressedFragment) -> tuple[list[np.ndarray], list[np.ndarray]]:
     lay = cf.layout
     rows = np.repeat(np.arange(lay.n_chunks), lay.k)  # (N,) chunk of each entry
     ct = lay.chunk_tensor()
@@ -410,16 +484,27 @@ def decoded_entries(cf: CompressedFragment) -> tuple[list[np.ndarray], list[np.n
     return offs, vals
 
 
+def decoded_entries(cf: CompressedFragment) -> tuple[list[np.ndarray], list[np.ndarray]]:
+    """Per sparse tensor (in `layout.sparse` order): flat offsets of the kept entries and their values.
+    Raises `FragmentError` (`check_values`) for values no honest encoder sends or that overflow float32."""
+    check_values(cf)
+    return _entries(cf)
+
+
 def _dense_values(cf: CompressedFragment, j: int) -> np.ndarray:
     lay = cf.layout
     return cf.dense[lay.dense_start[j] : lay.dense_start[j + 1]].astype(np.float32) * cf.dense_scale[j]
 
 
 def decompress(cf: CompressedFragment) -> list[torch.Tensor]:
-    """Dense float32 tensors, zero wherever nothing was sent."""
+    """Dense float32 tensors, zero wherever nothing was sent; all finite.
+
+    Raises `FragmentError` (`check_values`) for values no honest encoder sends or that overflow float32.
+    """
+    check_values(cf)
     lay = cf.layout
     out: list[torch.Tensor] = [torch.empty(0)] * len(lay.shapes)
-    offs, vals = decoded_entries(cf)
+    offs, vals = _entries(cf)
     for j, i in enumerate(lay.sparse):
         x = np.zeros(math.prod(lay.shapes[i]), np.float32)  # calloc: no separate memset pass
         x[offs[j]] = vals[j]
@@ -432,7 +517,7 @@ def decompress(cf: CompressedFragment) -> list[torch.Tensor]:
 def kept_indices(cf: CompressedFragment) -> list[torch.Tensor | None]:
     """Flat offsets of the coordinates sent for each tensor; None for a tensor sent dense."""
     lay = cf.layout
-    offs, _ = decoded_entries(cf)
+    offs, _ = _entries(cf)
     out: list[torch.Tensor | None] = [None] * len(lay.shapes)
     for j, i in enumerate(lay.sparse):
         out[i] = torch.from_numpy(offs[j])
@@ -460,9 +545,9 @@ def error_feedback_step(
         acc.append(
             torch.add(di.detach().float(), ei.detach().float(), alpha=cfg.beta).cpu()
         )  # beta*e + delta
-    cf = compress(acc, cfg)
+    cf = compress(acc, cfg)  # refuses what a decoder would reject
     lay = cf.layout
-    offs, vals = decoded_entries(cf)
+    offs, vals = _entries(cf)
     for j, i in enumerate(lay.sparse):  # e_new = e' - decode(c), only where c is nonzero
         acc[i].view(-1)[torch.from_numpy(offs[j])] -= torch.from_numpy(vals[j])
     for j, i in enumerate(lay.dense):
@@ -474,10 +559,13 @@ __all__ = [
     "CompressedFragment",
     "Layout",
     "SparseLoCoConfig",
+    "check_values",
     "compress",
     "decoded_entries",
     "decompress",
     "error_feedback_step",
     "kept_indices",
     "layout",
+    "refuse_undecodable",
+    "table_bound",
 ]

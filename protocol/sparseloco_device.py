@@ -25,7 +25,8 @@ Exactness, against the reference:
   another order, so a rare scale code, threshold or table entry may differ from the reference's.
 - Decoding is the reference decoder's float32 arithmetic (s_c = ref * 2^(-code/8), then
   value = table[tensor, code] * s_c, each one IEEE multiply), so e_new == e' - decompress(c) bit for bit,
-  and `decompress_to` equals `decompress` bit for bit on any device.
+  and `decompress_to` equals `decompress` bit for bit on any device. Both reject the same fragments
+  (`protocol.sparseloco.check_values`, run on the host arrays before anything is uploaded).
 
 Memory: the stage's e is updated in place (no second copy of the stage). Tensors are compressed one at a
 time, so the full-size temporaries are one tensor's e' and its int64 sort keys (16 bytes per element of
@@ -55,7 +56,9 @@ from protocol.sparseloco import (
     Layout,
     Shape,
     SparseLoCoConfig,
+    check_values,
     layout,
+    refuse_undecodable,
 )
 
 _SIGN_CLEAR = 0x7FFFFFFF  # |x| of an IEEE float32, as int32 bits
@@ -369,7 +372,7 @@ def _fetch(enc: _Encoded, lay: Layout, cfg: SparseLoCoConfig) -> CompressedFragm
         }
     )
     _check_finite(enc, h["ok"], lay)
-    return CompressedFragment(
+    cf = CompressedFragment(
         shapes=lay.shapes,
         cfg=cfg,
         idx=h["idx"],
@@ -380,6 +383,7 @@ def _fetch(enc: _Encoded, lay: Layout, cfg: SparseLoCoConfig) -> CompressedFragm
         dense=h["dense"],
         dense_scale=h["dense_scale"],
     )
+    return refuse_undecodable(cf)  # what a decoder would reject (values near float32's max)
 
 
 # ---- public API --------------------------------------------------------------------------------------------
@@ -410,7 +414,9 @@ def compress_device(tensors: list[torch.Tensor], cfg: SparseLoCoConfig) -> Compr
     """`protocol.sparseloco.compress` computed on the tensors' device (any float dtype, one device).
 
     Same kept indices as the reference; the quantizer's codes and tables may differ in rare last bits.
-    Raises ValueError for an empty or non-floating tensor, or one holding NaN/inf.
+    Raises ValueError for an empty or non-floating tensor, one holding NaN/inf, or one whose values are so
+    large (|x| within a factor 2 sqrt(k) of float32's max) that `protocol.sparseloco.check_values` would
+    reject the fragment.
     """
     device = _device_of(tensors, "tensor")
     lay = layout(_shapes(tensors), cfg)
@@ -463,7 +469,11 @@ def error_feedback_step_device(
 
 @torch.no_grad()
 def decompress_to(cf: CompressedFragment, device: torch.device | str) -> list[torch.Tensor]:
-    """Dense float32 tensors on `device`, bit-identical to `protocol.sparseloco.decompress(cf)`."""
+    """Dense float32 tensors on `device`, bit-identical to `protocol.sparseloco.decompress(cf)`.
+
+    Raises `FragmentError` for the fragments `decompress` rejects (`check_values`, on the host arrays).
+    """
+    check_values(cf)
     device = torch.device(device)
     lay = cf.layout
     T, N, b = len(lay.sparse), lay.n_kept, cf.cfg.value_bits

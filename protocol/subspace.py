@@ -34,6 +34,7 @@ Wire format of one message (little-endian; one per microbatch per direction):
 
 from __future__ import annotations
 
+import math
 import struct
 import sys
 import zlib
@@ -64,6 +65,15 @@ _TORCH_DTYPES: dict[str, torch.dtype] = dict(_VALUE_DTYPES.values())
 _TOKEN_DTYPES: dict[int, type[np.unsignedinteger]] = {1: np.uint8, 2: np.uint16, 3: np.uint32}
 
 EMBED_STD = 0.02  # node/model.py's embedding init std; T uses it so E + T starts like a plain embedding
+MAX_ABS = 1e6
+"""Default bound on |Z| and |G_Z| on a link (`ActivationCodec.max_abs`, the run spec's
+`pipeline.wire_max_abs`). Honest values stay far below it: residual streams of pre-norm Llama-style nets
+are O(1)-O(10) with a few "massive activations" of several thousand (Sun et al., arXiv 2402.17762), and
+|Z_j| <= ||X - T[x]||_2 per token as U is orthonormal; activation gradients of a mean loss are well
+below 1 (tiny values are fine, only large ones are bounded). Above it, the sender diverged or is hostile.
+At the bound, X_hat = Z U^T and G_X = G_Z U^T stay below 1e6 sqrt(k) per entry, so the receiver's
+norms (squares ~1e16) and matmuls stay finite in bf16 and fp32; float16 wires stop at 65504 anyway."""
+_RAISE_HINT = "if honest values are this large, raise pipeline.wire_max_abs in the run spec"
 
 assert sys.byteorder == "little", "the activation wire format assumes a little-endian host"
 
@@ -234,10 +244,18 @@ class ActivationCodec:
     """L, tokens per sequence."""
     wire_dtype: WireDType = "float32"
     """Dtype of Z / G_Z on the wire."""
+    max_abs: float = MAX_ABS
+    """Largest |value| of Z or G_Z either end accepts (see `MAX_ABS`); the sender refuses to send more and
+    the receiver rejects it, like NaN/inf."""
 
     def __post_init__(self) -> None:
         if not 0 < self.k <= self.d:
             raise ValueError(f"link width k={self.k} must be in 1..d={self.d}")
+        m = self.max_abs
+        if isinstance(m, bool) or not isinstance(m, (int, float)) or not 0 < m < math.inf:
+            raise ValueError(
+                f"max_abs={self.max_abs!r} must be a positive finite number (default {MAX_ABS:g})"
+            )
         if self.seq_len <= 0 or self.vocab <= 0:
             raise ValueError(f"seq_len={self.seq_len} and vocab={self.vocab} must be positive")
         if self.wire_dtype not in _VALUE_CODES:
@@ -269,9 +287,15 @@ class ActivationCodec:
             raise ValueError(f"Z has shape {tuple(Z.shape)}, the link carries (b, {self.seq_len}, {self.k})")
         b = Z.shape[0]
         Zw = Z.detach().to("cpu", _TORCH_DTYPES[self.wire_dtype]).contiguous()
-        if not bool(torch.isfinite(Zw).all()):
+        peak = float(Zw.abs().amax()) if Zw.numel() else 0.0  # one pass; NaN and inf propagate
+        if not math.isfinite(peak):
             hint = " (float16 overflows above 65504: use bfloat16)" if self.wire_dtype == "float16" else ""
             raise ValueError(f"refusing to send non-finite values in a {kind.name} message{hint}")
+        if peak > self.max_abs:
+            raise ValueError(
+                f"refusing to send |value| = {peak:.4g} in a {kind.name} message: above the link's bound "
+                f"{self.max_abs:g}; {_RAISE_HINT}"
+            )
         token_code, token_bytes = 0, b""
         if kind != Kind.BACKWARD:
             if tokens is None or tuple(tokens.shape) != (b, self.seq_len + 1):
@@ -340,8 +364,9 @@ class ActivationCodec:
         kinds: tuple[Kind, ...] | None = None,
     ) -> ActivationMessage:
         """Parse and validate one message against this link: magic, version, kind, dtypes, (b, L, k),
-        exact total size, token ids < vocab, finite values. b=None accepts any batch (size still checked);
-        kinds=None accepts any kind. Raises ActivationCodecError saying what was wrong."""
+        exact total size, token ids < vocab, finite values with |value| <= max_abs. b=None accepts any
+        batch (size still checked); kinds=None accepts any kind. Raises ActivationCodecError saying what
+        was wrong."""
         if not isinstance(data, (bytes, bytearray, memoryview)):
             raise ActivationCodecError(f"activation message: expected bytes, got {type(data).__name__}")
         mv = memoryview(data).cast("B")
@@ -399,9 +424,15 @@ class ActivationCodec:
             )
         Z = torch.frombuffer(bytearray(mv[HEADER_BYTES : HEADER_BYTES + value_bytes]), dtype=torch.uint8)
         Z = Z.view(dtype).view(hb, hL, hk)  # (b, L, k); bytearray copy: the tensor owns writable memory
-        if not bool(torch.isfinite(Z).all()):
+        peak = float(Z.abs().amax())  # one pass over (b, L, k); NaN and inf propagate
+        if not math.isfinite(peak):
             raise ActivationCodecError(
                 f"{kind.name} message holds non-finite values (NaN/inf): the sender's stage diverged"
+            )
+        if peak > self.max_abs:
+            raise ActivationCodecError(
+                f"{kind.name} message holds |value| = {peak:.4g}, above the link's bound {self.max_abs:g}: "
+                f"the sender's stage diverged or is hostile; {_RAISE_HINT}"
             )
         tokens = None
         if tdt is not None:

@@ -30,11 +30,13 @@ from protocol.sparseloco import (
     CompressedFragment,
     SparseLoCoConfig,
     _chunk_scales,
+    check_values,
     compress,
     decompress,
     error_feedback_step,
     kept_indices,
     layout,
+    table_bound,
 )
 from protocol.sparseloco_format import (
     MAGIC,
@@ -465,9 +467,141 @@ def test_corrupted_payload_never_crashes(at: int, xor: int, cut: bool) -> None:
     bad = payload[:at] if cut else payload[:at] + bytes([payload[at] ^ xor]) + payload[at + 1 :]
     try:
         _, cf2, _ = decode_fragment(_sealed(cf, bad))
+        out = decompress(cf2)
     except FragmentError:
         return
+    assert all(torch.isfinite(t).all() for t in out)
+
+
+# ---- magnitude bounds on decoded values (issue 10, finding 5) ----------------------------------------
+
+F32_MAX = float(np.finfo(np.float32).max)
+HONEST_TABLE = 1.5 * 2 ** (1 / 16)  # |table| <= this * sqrt(k): the module doc's bound for honest encoders
+
+
+def _signed_with(
+    cf: CompressedFragment, *, ref: dict[int, float], table: dict[tuple[int, int], float]
+) -> bytes:
+    """cf's wire form with some tensor scales and table entries overwritten, re-signed by ALICE: a replica
+    holding a valid key that forges its payload (the signature and every parser check pass)."""
+    lay, b = cf.layout, cf.cfg.value_bits
+    payload = pack_payload(cf)
+    at_table = 6 + 4 * len(lay.sparse)
+    for j, v in ref.items():
+        payload = _tamper(payload, 6 + 4 * j, struct.pack("<f", v))
+    for (j, c), v in table.items():
+        payload = _tamper(payload, at_table + 4 * ((j << b) + c), struct.pack("<f", v))
+    return _sealed(cf, payload)
+
+
+def test_forged_table_or_scale_overflow_is_rejected() -> None:
+    """Finite on the wire, but table x scale is inf: decompress used to return inf; now FragmentError."""
+    _, cf = _fragment()  # k = 64: tables bounded by 2 sqrt(64) = 16
+    assert table_bound(cf.cfg) == 16.0
+    peak = float(np.abs(cf.table[0]).max())
+    cases = [
+        ({}, {(0, 1): 3e38}, r"fragment tensor 0: bin-mean table holds 3e\+38, beyond the 16 = 2 sqrt\(k\)"),
+        ({}, {(1, 3): -17.0}, "fragment tensor 2: bin-mean table holds 17, beyond the 16"),
+        ({0: 1e38}, {(0, 1): 15.0}, r"fragment tensor 0: table x scale = 1.5e\+39.*overflows float32"),
+        ({1: F32_MAX}, {}, "fragment tensor 2: table x scale = .* overflows float32"),
+    ]
+    for ref, table, msg in cases:
+        _, forged, _ = decode_fragment(_signed_with(cf, ref=ref, table=table), trusted={ALICE.public_key})
+        with pytest.raises(FragmentError, match=msg) as ei:
+            decompress(forged)
+        assert isinstance(ei.value, ProtocolError)
+        with pytest.raises(FragmentError, match=msg):
+            check_values(forged)
+    # the largest that still decodes finite is accepted (aggregation bounds it relative to the round)
+    ok = F32_MAX / peak * (1 - 2**-20)
+    _, cf2, _ = decode_fragment(_signed_with(cf, ref={0: ok}, table={}), trusted={ALICE.public_key})
     assert all(torch.isfinite(t).all() for t in decompress(cf2))
+
+
+def test_in_memory_fragments_with_bad_values_are_rejected() -> None:
+    """The same checks hold for a fragment that never went through the parser."""
+    _, cf = _fragment()
+    nan, inf = np.float32(np.nan), np.float32(np.inf)
+
+    def with_(name: str, at: tuple[int, ...], v: np.floating) -> CompressedFragment:
+        a = getattr(cf, name).copy()
+        a[at] = v
+        return CompressedFragment(**{**cf.__dict__, name: a})
+
+    for bad, msg in [
+        (with_("table", (1, 2), nan), "tensor 2: bin-mean table holds a non-finite value"),
+        (with_("ref_scale", (0,), inf), "tensor 0: tensor scale inf is not a finite"),
+        (with_("ref_scale", (1,), np.float32(-1)), "tensor 2: tensor scale -1 is not a finite non-negative"),
+        (with_("dense_scale", (0,), nan), "tensor 1: dense scale nan"),
+        (with_("dense", (7,), np.float16(np.inf)), r"tensor 1: dense value inf lies outside \[-1, 1\]"),
+        (with_("dense", (7,), np.float16(np.nan)), r"tensor 1: dense value nan lies outside \[-1, 1\]"),
+    ]:
+        with pytest.raises(FragmentError, match=msg):
+            decompress(bad)
+
+
+def _honest(kind: str, shape: tuple[int, ...], scale: float, rng: np.random.Generator) -> torch.Tensor:
+    """A pseudo-gradient-like tensor of max-abs `scale`, drawn in float64 and cast once."""
+    n = math.prod(shape)
+    if kind == "gauss":
+        x = rng.standard_normal(n)
+    elif kind == "cauchy":  # heavy tails: a few values dwarf the rest of their chunk
+        x = rng.standard_cauchy(n)
+    elif kind == "lognormal":  # magnitudes over ~20 decades inside one tensor
+        x = rng.standard_normal(n) * np.exp(rng.standard_normal(n) * 8)
+    else:  # "spikes": mostly zeros, so a chunk keeps one nonzero and |y| reaches sqrt(k)
+        x = np.where(rng.random(n) < 0.002, rng.standard_normal(n) * 10.0 ** rng.uniform(-6, 6, n), 0.0)
+    x = x / max(np.abs(x).max(), 1e-300) * scale
+    return torch.from_numpy(np.asarray(x, np.float32).reshape(shape))
+
+
+@pytest.mark.parametrize("scale", [1.0, 1e-44, 1e-30, 1e30, 1e36])
+@pytest.mark.parametrize("kind", ["gauss", "cauchy", "lognormal", "spikes"])
+def test_honest_fragments_are_never_rejected(kind: str, scale: float) -> None:
+    """Real encodes, tiny (subnormal) to huge: compress never makes a fragment the decoder rejects, and its
+    tables stay within the derived 1.57 sqrt(k), below the accepted 2 sqrt(k)."""
+    rng = np.random.default_rng([len(kind), round(math.log10(scale)) + 50])
+    cfgs = [
+        SparseLoCoConfig(),
+        SparseLoCoConfig(chunk=64, k=3, value_bits=4),
+        SparseLoCoConfig(chunk=16, k=16, value_bits=1, dense_1d=False),
+    ]
+    for cfg in cfgs:
+        xs = [_honest(kind, s, scale, rng) for s in [(130, 70), (3, 700), (40,)]]
+        cf = compress(xs, cfg)
+        assert np.abs(cf.table).max(initial=0) <= HONEST_TABLE * math.sqrt(cfg.k) * (1 + 1e-6)
+        _, cf2, _ = decode_fragment(encode_fragment(ALICE, FragmentHeader.of(cf, **WHERE), cf))
+        assert all(torch.isfinite(t).all() for t in decompress(cf2))
+
+
+def test_subnormal_worst_case_table_is_accepted() -> None:
+    """In float32's subnormal range s_c rounds to a multiple of 2^-149, so |y| reaches 1.5 sqrt(k): here a
+    spike of 12 units in a chunk of RMS 1.5 units gets s_c = 1 unit, and the table holds 12 = 1.5 sqrt(64)."""
+    u = 2.0**-149
+    x = np.zeros((8, 16), np.float32)
+    x[:, :8] = 92 * u  # the reference chunk: RMS 92 units
+    x[0, 8] = (
+        12 * u
+    )  # alone in its chunk of k = 64: RMS 1.5 units, scale code 49 -> s_c = 92 * 2^(-49/8) -> 1
+    cf = compress([torch.from_numpy(x)], SparseLoCoConfig(chunk=64, k=64, value_bits=4))
+    assert float(np.abs(cf.table).max()) == 12.0 and 12.0 < table_bound(cf.cfg)
+    assert float(decompress(cf)[0][0, 8]) == 12 * u
+
+
+def test_values_too_large_to_decode_are_refused_at_the_source() -> None:
+    """|x| within ~2 sqrt(k) of float32's max: max |table| x ref could overflow, so compress refuses the
+    tensor (the decoder's check is on the tables, not per entry) instead of sending what peers reject."""
+    x = torch.zeros(64, 128)
+    x[:, :64] = 1e38  # tile 0: y = 1, ref = 1e38
+    x[0, 64] = 1e38  # alone in tile 1: y = sqrt(64) = 8, its own bin with 4-bit values
+    cfg = SparseLoCoConfig(value_bits=4)
+    with pytest.raises(
+        ValueError, match="tensor 0: table x scale = 8e\\+38 overflows float32 .*; refusing to"
+    ):
+        compress([x], cfg)
+    with pytest.raises(ValueError, match="refusing to compress"):
+        error_feedback_step([torch.zeros(64, 128)], [x], cfg)
+    assert all(torch.isfinite(t).all() for t in decompress(compress([x / 8], cfg)))
 
 
 # ---- aggregation -------------------------------------------------------------------------------------

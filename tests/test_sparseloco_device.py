@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import dataclasses
+import math
 import subprocess
 import sys
 import textwrap
@@ -22,7 +24,7 @@ from protocol.sparseloco import (
     error_feedback_step,
 )
 from protocol.sparseloco_device import compress_device, decompress_to, error_feedback_step_device
-from protocol.sparseloco_format import FragmentHeader, decode_fragment, encode_fragment
+from protocol.sparseloco_format import FragmentError, FragmentHeader, decode_fragment, encode_fragment
 
 ALICE = Identity.from_seed(bytes(range(32)))
 WHERE = {"run_id": "run-test", "stage": 1, "fragment": 2, "round": 7, "replica": 3}
@@ -239,6 +241,70 @@ def test_decompress_to_is_bit_identical(device: str, cfg: SparseLoCoConfig) -> N
         for a, b in zip(decompress(cf), decompress_to(cf, device), strict=True):
             assert b.device.type == device and b.dtype == torch.float32 and a.shape == b.shape
             assert torch.equal(_bits(a), _bits(b))
+
+
+def _forged(cf: CompressedFragment) -> list[tuple[CompressedFragment, str]]:
+    """Fragments a replica with a valid key could sign (finite on the wire) and what each breaks."""
+    f32max = np.float32(np.finfo(np.float32).max)
+
+    def put(name: str, at: tuple[int, ...], v: float) -> CompressedFragment:
+        a = getattr(cf, name).copy()
+        a[at] = v
+        return dataclasses.replace(cf, **{name: a})
+
+    return [
+        (put("table", (0, 1), 3e38), r"tensor 0: bin-mean table holds 3e\+38"),
+        (put("ref_scale", (0,), f32max), "tensor 0: table x scale = .* overflows float32"),
+        (put("table", (1, 0), np.nan), "tensor 1: bin-mean table holds a non-finite value"),
+        (put("ref_scale", (2,), -1.0), "tensor 2: tensor scale -1 is not a finite non-negative number"),
+        (put("dense", (0,), np.inf), r"tensor 4: dense value inf lies outside \[-1, 1\]"),
+    ]
+
+
+@pytest.mark.parametrize("device", DEVICES)
+def test_decompress_to_rejects_what_decompress_rejects(device: str) -> None:
+    """Both decoders run the same check on the host arrays: same inputs rejected, with the same message."""
+    cf = compress(_tensors(SHAPES, 13), SparseLoCoConfig())
+    for bad, msg in _forged(cf):
+        with pytest.raises(FragmentError, match=msg) as on_host:
+            decompress(bad)
+        with pytest.raises(FragmentError, match=msg) as on_device:
+            decompress_to(bad, device)
+        assert str(on_host.value) == str(on_device.value)
+
+
+@pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize("scale", [1e-44, 1e-30, 1.0, 1e30, 1e36])
+def test_honest_device_encodes_are_never_rejected(device: str, scale: float) -> None:
+    """Heavy-tailed, spiky, subnormal and huge tensors: the device encoder's fragments decode, bit-identical
+    on both paths, with tables inside the derived bound 1.5 * 2^(1/16) sqrt(k) < 2 sqrt(k)."""
+    rng = np.random.default_rng(round(math.log10(scale)) + 50)
+    xs = []
+    for j, s in enumerate([(130, 70), (3, 700), (40,)]):
+        n = math.prod(s)
+        x = rng.standard_cauchy(n) if j == 0 else rng.standard_normal(n) * np.exp(rng.standard_normal(n) * 8)
+        if j == 1:
+            x[rng.random(n) < 0.99] = 0.0  # chunks that keep one nonzero: |y| up to sqrt(k)
+        xs.append(torch.from_numpy(np.asarray(x / np.abs(x).max() * scale, np.float32).reshape(s)))
+    for cfg in [SparseLoCoConfig(), SparseLoCoConfig(chunk=64, k=3, value_bits=4)]:
+        cf = compress_device([x.to(device) for x in xs], cfg)
+        assert np.abs(cf.table).max() <= 1.5 * 2 ** (1 / 16) * math.sqrt(cfg.k) * (1 + 1e-6)
+        for a, b in zip(decompress(cf), decompress_to(cf, device), strict=True):
+            assert torch.isfinite(a).all() and torch.equal(_bits(a), _bits(b))
+
+
+@pytest.mark.parametrize("device", DEVICES)
+def test_values_too_large_to_decode_are_refused_and_leave_e_untouched(device: str) -> None:
+    x = torch.zeros(64, 128, device=device)
+    x[:, :64] = 1e38  # tile 0: y = 1, ref = 1e38
+    x[0, 64] = 1e38  # alone in tile 1: y = 8 in its own bin, and 8 x 1e38 overflows float32
+    cfg = SparseLoCoConfig(value_bits=4)
+    with pytest.raises(ValueError, match="tensor 0: table x scale = 8e\\+38 overflows float32 .*; refusing"):
+        compress_device([x], cfg)
+    e = [torch.ones(64, 128, device=device)]
+    with pytest.raises(ValueError, match="refusing to compress"):
+        error_feedback_step_device(e, [x], cfg)
+    assert bool((e[0] == 1).all())
 
 
 def test_only_dense_tensors_and_empty_list() -> None:

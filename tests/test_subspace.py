@@ -26,6 +26,7 @@ from node.subspace_model import (
 from protocol.runspec import ModelSpec, PipelineSpec
 from protocol.subspace import (
     HEADER_BYTES,
+    MAX_ABS,
     ActivationCodec,
     ActivationCodecError,
     Kind,
@@ -204,6 +205,15 @@ def _patch(data: bytes, offset: int, fmt: str, value: int | bytes) -> bytes:
         (lambda d: d + b"\0", "should be 1090 bytes, got 1091"),
         (lambda d: _patch(d, HEADER_BYTES, "<f", float("nan")), "non-finite"),
         (lambda d: _patch(d, HEADER_BYTES + 4, "<f", float("inf")), "non-finite"),
+        (
+            lambda d: _patch(d, HEADER_BYTES + 8, "<f", 3e38),
+            r"FORWARD message holds \|value\| = 3e\+38, above the link's bound 1e\+06: the sender's stage "
+            r"diverged or is hostile; .* raise pipeline.wire_max_abs in the run spec",
+        ),
+        (
+            lambda d: _patch(d, HEADER_BYTES + 12, "<f", -1.5e6),
+            r"\|value\| = 1.5e\+06, above the link's bound",
+        ),
     ],
 )
 def test_decode_rejects(mutate, match: str) -> None:
@@ -230,6 +240,43 @@ def test_decode_rejects_kind_and_type_and_token_range() -> None:
     with pytest.raises(ActivationCodecError, match="token id 60000 is outside the vocabulary of 1000"):
         wide.decode(bytes(data))
     assert isinstance(ActivationCodecError("x"), ValueError)  # a ProtocolError
+
+
+@pytest.mark.parametrize("wire_dtype", ["float32", "bfloat16"])
+@pytest.mark.parametrize("kind", list(Kind))
+def test_decode_bounds_magnitude(wire_dtype: str, kind: Kind) -> None:
+    """Z = 3e38 is finite in fp32 and bf16, so it used to pass; now every kind of message is bounded."""
+    loose = _codec(wire_dtype=wire_dtype, max_abs=3.4e38)  # a neighbour that sends what it likes
+    tokens = None if kind == Kind.BACKWARD else torch.randint(0, 256, (2, 17))
+    Z = torch.randn(2, 16, 8)
+    Z[1, 3, 5] = -3e38
+    data = loose.encode(kind, microbatch=0, step=0, Z=Z, tokens=tokens)
+    with pytest.raises(
+        ActivationCodecError, match=rf"{kind.name} message holds \|value\| = [23][.0-9]*e\+38, above"
+    ):
+        _codec(wire_dtype=wire_dtype).decode(data)
+    assert torch.equal(loose.decode(data).Z, Z.to(loose.decode(data).Z.dtype))
+
+
+def test_magnitude_bound_keeps_honest_values_and_can_be_raised() -> None:
+    codec = _codec()
+    assert codec.max_abs == MAX_ABS == PipelineSpec().wire_max_abs == 1e6
+    tiny = torch.randn(2, 16, 8) * 1e-30  # activation gradients can be tiny: no lower bound
+    at_bound = torch.randn(2, 16, 8).clamp(-1, 1) * 1e6  # |Z| up to the bound itself is accepted
+    for Z in (tiny, at_bound, torch.zeros(2, 16, 8)):
+        assert torch.equal(codec.decode(codec.encode(Kind.BACKWARD, microbatch=0, step=0, Z=Z)).Z, Z)
+    big = torch.full((2, 16, 8), 5e6)
+    with pytest.raises(ValueError, match=r"refusing to send \|value\| = 5e\+06 in a BACKWARD message: above"):
+        codec.encode(Kind.BACKWARD, microbatch=0, step=0, Z=big)  # the sender refuses, too
+    raised = _codec(max_abs=1e7)
+    assert torch.equal(raised.decode(raised.encode(Kind.BACKWARD, microbatch=0, step=0, Z=big)).Z, big)
+    for bad in (0.0, -1.0, float("nan"), float("inf"), True, "1e6"):
+        with pytest.raises(ValueError, match="max_abs=.* must be a positive finite number"):
+            _codec(max_abs=bad)
+    with pytest.raises(
+        ValueError, match=r"pipeline.wire_max_abs=0.5 must be a finite number in \[1, 3e\+38\]"
+    ):
+        PipelineSpec(wire_max_abs=0.5)
 
 
 def test_encode_refuses_bad_input() -> None:
@@ -436,6 +483,9 @@ def test_dense_pipeline_is_untouched() -> None:
     assert all(torch.equal(p, before[n]) for n, p in stage.named_parameters())
     codec_in, codec_out = boundary_codecs(stage, SPEC, pspec, ranges, 0)
     assert codec_in is None and codec_out is not None and codec_out.U is None and codec_out.codec.k == 256
+    assert codec_out.codec.max_abs == pspec.wire_max_abs
+    bound = boundary_codecs(stage, SPEC, PipelineSpec(wire_max_abs=2e7), ranges, 0)[1]
+    assert bound is not None and bound.codec.max_abs == 2e7  # the run spec's bound reaches the codec
     h, tokens = torch.randn(2, SPEC.seq_len, 256), _tokens()
     assert torch.equal(codec_out.unpack_fwd(codec_out.pack_fwd("eval", 1, 0, h, tokens))[3], h)
 

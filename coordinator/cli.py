@@ -1,9 +1,10 @@
-"""`crucible-coordinator`: serve as a run coordinator, and launch / watch / stop / plan runs.
+"""`crucible-coordinator`: serve as a run coordinator, and launch / watch / stop / export / plan runs.
 
 crucible-coordinator serve  --bootstrap MA --store-endpoint URL --operator-key-file KEY
 crucible-coordinator launch run.toml --bootstrap MA --store-endpoint URL --operator-key-file KEY [--watch]
 crucible-coordinator status [RUN] --bootstrap MA --operator-key 12D3KooW...
 crucible-coordinator stop RUN --bootstrap MA --store-endpoint URL --operator-key-file KEY
+crucible-coordinator export RUN --out DIR --operator-key 12D3KooW... --store-endpoint URL [--round N]
 crucible-coordinator plan --model 8b --pool pool.toml
 """
 
@@ -96,6 +97,24 @@ def build_parser() -> argparse.ArgumentParser:
     sp = sub.add_parser("stop", help="stop a run (nodes finish their current step and go idle)")
     sp.add_argument("run_id")
     _swarm_args(sp, store=True, key=True)
+
+    ex = sub.add_parser(
+        "export",
+        help="write a run's consensus as a Hugging Face Llama folder (model.safetensors + config.json)",
+        epilog="example: crucible-coordinator export my-run --out ./my-run-hf --operator-key 12D3KooW... "
+        "--store-endpoint http://127.0.0.1:9000",
+    )
+    ex.add_argument("run_id")
+    ex.add_argument("--out", required=True, help="folder to write (created; files replaced)")
+    ex.add_argument("--round", type=int, default=None, help="outer round (default: the newest checkpointed)")
+    ex.add_argument(
+        "--operator-key", required=True, help="peer id (12D3KooW...) of the operator that launched the run"
+    )
+    ex.add_argument("--store-endpoint", required=True, help="S3-compatible endpoint URL")
+    ex.add_argument("--store-bucket", default="crucible", help="bucket (default: crucible)")
+    ex.add_argument("--store-access-key", default="", help="access key id (default: boto3's chain)")
+    ex.add_argument("--store-secret-key", default="", help="secret key (default: boto3's chain)")
+    ex.add_argument("--log-level", default="INFO", choices=["DEBUG", "INFO", "WARNING", "ERROR"])
 
     from coordinator import plan_cli
 
@@ -259,6 +278,23 @@ def cmd_stop(args: argparse.Namespace) -> int:
     return 0
 
 
+def cmd_export(args: argparse.Namespace) -> int:
+    from coordinator.export import consensus_states, export_llama
+
+    if args.round is not None and args.round < 1:
+        raise ValueError(f"--round {args.round}: rounds count from 1 (example: --round 12)")
+    spec, rnd, states = consensus_states(
+        _store(args), args.run_id, _trusted_operator(args.operator_key), args.round
+    )
+    out = Path(args.out).expanduser()
+    export_llama(spec, states, out)
+    n = sum(int(t.numel()) for st in states for k, t in st.items())
+    print(
+        f"exported run {spec.run_id} round {rnd}: {out}/model.safetensors ({n:,} values), {out}/config.json"
+    )
+    return 0
+
+
 def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
     logging.basicConfig(
@@ -268,7 +304,13 @@ def main(argv: list[str] | None = None) -> int:
     )
     for noisy in ("hivemind", "botocore", "urllib3"):
         logging.getLogger(noisy).setLevel(logging.WARNING)
-    commands = {"serve": cmd_serve, "launch": cmd_launch, "status": cmd_status, "stop": cmd_stop}
+    commands = {
+        "serve": cmd_serve,
+        "launch": cmd_launch,
+        "status": cmd_status,
+        "stop": cmd_stop,
+        "export": cmd_export,
+    }
     try:
         if args.command == "plan":
             from coordinator import plan_cli

@@ -15,10 +15,13 @@ import msgpack
 from coordinator.lease import HeldLease, renew, try_acquire
 from coordinator.placement import Placement, PlacementError, place, repair, stage_needs
 from protocol import keys
+from protocol.checkpoint import list_rounds
 from protocol.dht_client import DHTClient, dht_time
 from protocol.envelope import open_envelope, seal
 from protocol.identity import Identity
-from protocol.messages import Assignment, Endpoint, NodeAdvert, RunControl, RunRecord
+from protocol.messages import MAX_FORMER_PEERS, Assignment, Endpoint, NodeAdvert, RunControl, RunRecord
+from protocol.msgpack_limits import unpack_bounded
+from protocol.runspec import RunSpec
 from protocol.schema import ProtocolError
 from protocol.store import ObjectStore, StoreError
 
@@ -36,6 +39,8 @@ class ManagedRun:
     epoch: int = 0
     started: float = 0.0
     missing_since: dict[str, float] = field(default_factory=dict)
+    former: dict[tuple[int, int], list[str]] = field(default_factory=dict)
+    """(replica, stage) -> nodes that served the slot before churn replaced them, oldest first."""
 
 
 class Coordinator:
@@ -120,36 +125,41 @@ class Coordinator:
         run.record = replace(run.record, state=state, updated=dht_time())  # type: ignore[arg-type]
         self._publish(force=True)
 
+    def _archived(self, run: ManagedRun) -> list[Assignment] | None:
+        return read_archive(self.store, run.record.spec, self.trusted)
+
+    @staticmethod
+    def _former_of(archived: list[Assignment], *, include_holders: bool) -> dict[tuple[int, int], list[str]]:
+        """(replica, stage) -> nodes that served the slot, from archived assignments (and, for a relaunch,
+        the archived holders themselves: the checkpoints to resume from are theirs)."""
+        former: dict[tuple[int, int], list[str]] = {}
+        for a in archived:
+            for r, peers in a.former_stage_peers.items():
+                slot = former.setdefault((int(r), a.stage), [])
+                slot.extend(p for p in peers if p not in slot)
+            if include_holders and a.peer_id not in former.setdefault((a.replica, a.stage), []):
+                former[(a.replica, a.stage)].append(a.peer_id)
+        return former
+
     def _adopt(self, run: ManagedRun) -> None:
-        """Take over a placed run: its placement, assignments and epoch from the newest assignment archive
-        the previous holders wrote ({run}/assign/{term}-{epoch}, signed by a trusted coordinator). The nodes
-        keep training; our next assignments carry our higher term. An unreadable archive leaves the run
-        unplaced, and the next tick places it afresh."""
-        rid = run.record.spec.run_id
-        try:
-            archived = sorted(self.store.list(f"{rid}/assign/"))
-            blob = self.store.get(archived[-1], max_bytes=MAX_ARCHIVE_BYTES) if archived else None
-            if blob is None:
-                log.warning("run %s: taken over with no assignment archive; placing it afresh", rid)
-                return
-            envelopes = msgpack.unpackb(blob)
-            if not isinstance(envelopes, list):
-                raise ProtocolError("the assignment archive is not a list of envelopes")
-            found = [open_envelope(e, Assignment, self.trusted).body for e in envelopes]
-        except (StoreError, ProtocolError, ValueError, msgpack.UnpackException) as e:
-            log.warning("run %s: cannot read the assignment archive (%s); placing it afresh", rid, e)
-            return
-        mine = [a for a in found if a.run_id == rid and a.spec == run.record.spec]
-        if not mine:
-            log.warning("run %s: the assignment archive holds no assignment of this run", rid)
+        """Take over a placed run: its placement, assignments and epoch from the newest assignment archive.
+        The nodes keep training; our next assignments carry our higher term. An unreadable archive leaves
+        the run unplaced, and the next tick places it afresh."""
+        mine = self._archived(run)
+        if mine is None:
+            log.warning(
+                "run %s: taken over with no readable assignment archive; placing it afresh",
+                run.record.spec.run_id,
+            )
             return
         run.assignments = {a.peer_id: a for a in mine}
         run.placement = Placement({(a.replica, a.stage): a.peer_id for a in mine})
         run.epoch = max(a.epoch for a in mine)
+        run.former = self._former_of(mine, include_holders=False)
         run.started = time.monotonic()
         log.info(
             "run %s: adopted the placement of term %d epoch %d (%d nodes)",
-            rid,
+            run.record.spec.run_id,
             max(a.term for a in mine),
             run.epoch,
             len(mine),
@@ -188,7 +198,19 @@ class Coordinator:
                 run.started = time.monotonic()
             return
         run.epoch += 1
-        self._assign(run, adverts, set(run.placement.slots))
+        # a relaunched run (stopped, or the whole swarm restarted) resumes from its checkpoints
+        try:
+            resume = set(range(spec.replicas)) if list_rounds(self.store, spec.run_id) else None
+        except StoreError as e:
+            log.warning("run %s: cannot list checkpoints (%s); starting from step 0", spec.run_id, e)
+            resume = None
+        if resume:
+            log.info(
+                "run %s: checkpoints found in the store; every replica resumes from its latest", spec.run_id
+            )
+            # the nodes that wrote them may be others: the new ones must trust their signatures
+            run.former = self._former_of(self._archived(run) or [], include_holders=True)
+        self._assign(run, adverts, set(run.placement.slots), resume_replicas=resume)
         run.started = time.monotonic()
         self._set_state(run, "running")
 
@@ -227,6 +249,11 @@ class Coordinator:
                 stage_peers={str(rr): pl.peer(rr, s) for rr in range(spec.replicas)},
                 start_step=-1 if r in (resume_replicas or ()) else old_start.get((r, s), 0),
                 issued_at=dht_time(),
+                former_stage_peers={
+                    str(rr): run.former[(rr, s)][-MAX_FORMER_PEERS:]
+                    for rr in range(spec.replicas)
+                    if run.former.get((rr, s))
+                },
             )
             run.assignments[peer] = a
         blob = msgpack.packb([seal(self.identity, a) for a in run.assignments.values()])
@@ -308,6 +335,9 @@ class Coordinator:
         except PlacementError as e:
             log.info("run %s: cannot rebuild replicas %s yet: %s", run.record.spec.run_id, sorted(broken), e)
             return False
+        for slot, peer in pl.slots.items():  # the nodes replaced stay signers of the rounds they signed
+            if new_pl.slots.get(slot) != peer and peer not in run.former.setdefault(slot, []):
+                run.former[slot].append(peer)
         run.placement = new_pl
         run.epoch += 1
         run.missing_since.clear()
@@ -347,6 +377,31 @@ class Coordinator:
             except Exception as e:  # a flaky store or DHT must not take the coordinator down
                 log.warning("coordinator tick failed (will retry): %s", e)
             self.stop_event.wait(self.tick_s)
+
+
+def read_archive(store: ObjectStore, spec: RunSpec, trusted: set[bytes]) -> list[Assignment] | None:
+    """The run's assignments in the newest archive its coordinators wrote ({run}/assign/{term}-{epoch},
+    each signed by a trusted key); None if there is none or it cannot be read (logged)."""
+    rid = spec.run_id
+    try:
+        archived = sorted(store.list(f"{rid}/assign/"))
+        blob = store.get(archived[-1], max_bytes=MAX_ARCHIVE_BYTES) if archived else None
+        if blob is None:
+            return None
+        # a list of envelopes, at least 1 KB each: 65,536 fill MAX_ARCHIVE_BYTES
+        envelopes = unpack_bounded(
+            blob, "assignment archive", max_bytes=MAX_ARCHIVE_BYTES, max_values=1 << 16, max_depth=1
+        )
+        if not isinstance(envelopes, list):
+            raise ProtocolError("the assignment archive is not a list of envelopes")
+        found = [open_envelope(e, Assignment, trusted).body for e in envelopes]
+    except (StoreError, ProtocolError, ValueError, msgpack.UnpackException) as e:
+        log.warning("run %s: cannot read the assignment archive (%s)", rid, e)
+        return None
+    mine = [a for a in found if a.run_id == rid and a.spec == spec]
+    if not mine:
+        log.warning("run %s: the assignment archive holds no assignment of this run", rid)
+    return mine or None
 
 
 def launch(

@@ -46,6 +46,12 @@ class DenseCodec(FragmentCodec):
     def max_fragment_bytes(self) -> int:
         return MAX_DENSE_FRAGMENT_BYTES
 
+    def state(self) -> dict[str, torch.Tensor]:
+        return {}  # DiLoCo carries nothing between rounds
+
+    def load_state(self, state: dict[str, torch.Tensor]) -> None:
+        pass
+
     def restore(self, fid: FragmentId, unsent: list[torch.Tensor]) -> None:
         """DiLoCo keeps no error feedback: a pseudo-gradient that did not land is dropped."""
 

@@ -49,6 +49,41 @@ def make_optimizer(module: torch.nn.Module, train: TrainSpec) -> torch.optim.Ada
     )
 
 
+def optimizer_tensors(module: torch.nn.Module, opt: torch.optim.Optimizer) -> dict[str, torch.Tensor]:
+    """The optimizer's per-parameter state by parameter name ("optim.<param>.<exp_avg|exp_avg_sq|step>"),
+    for checkpoints; hyperparameters are the run spec's and the schedule's, not saved."""
+    out = {}
+    for name, p in module.named_parameters():
+        for k, v in opt.state.get(p, {}).items():
+            if isinstance(v, torch.Tensor):
+                out[f"optim.{name}.{k}"] = v
+            else:  # some torch versions keep `step` as a float
+                out[f"optim.{name}.{k}"] = torch.tensor(float(v))
+    return out
+
+
+def load_optimizer_tensors(
+    module: torch.nn.Module, opt: torch.optim.Optimizer, tensors: dict[str, torch.Tensor]
+) -> None:
+    """Restore `optimizer_tensors()` (the parameters are already where they train); a parameter without
+    saved state (none was taken before the checkpoint) keeps none."""
+    sd = opt.state_dict()
+    index = {}  # parameter -> its index in the optimizer's state dict
+    i = 0
+    for group in opt.param_groups:
+        for p in group["params"]:
+            index[p] = i
+            i += 1
+    state: dict[int, dict[str, torch.Tensor]] = {}
+    for name, p in module.named_parameters():
+        prefix = f"optim.{name}."
+        got = {k[len(prefix) :]: v for k, v in tensors.items() if k.startswith(prefix)}
+        if got:
+            state[index[p]] = got
+    sd["state"] = state
+    opt.load_state_dict(sd)  # torch casts the moments to each parameter's device and dtype
+
+
 def prepare_stage(
     module: Stage, device: torch.device, precision: Precision, *, compile: bool = False
 ) -> Stage:

@@ -23,6 +23,7 @@ until the round's deadline.
 
 from __future__ import annotations
 
+import hashlib
 import logging
 import threading
 import time
@@ -35,10 +36,20 @@ import torch
 
 from node.aggregation import mean_over_arrivals
 from protocol import keys
+from protocol.envelope import open_envelope, seal
+from protocol.identity import Identity
+from protocol.messages import RecordEntry, RoundRecord
 from protocol.schema import ProtocolError
 from protocol.store import ObjectStore, ObjectTooLarge, StoreError
 
 log = logging.getLogger(__name__)
+
+MAX_RECORD_BYTES = 1 << 20
+"""A round record lists at most one entry (~130 bytes) per replica."""
+
+
+class RoundAgreementError(RuntimeError):
+    """The round's agreed set cannot be applied here (a listed fragment stayed out of reach)."""
 
 
 @dataclass(frozen=True)
@@ -71,6 +82,17 @@ class FragmentCodec(Protocol):
 
     def restore(self, fid: FragmentId, unsent: list[torch.Tensor]) -> None:
         """Our upload of `fid` did not land: keep `unsent` (what encode returned) for a later round."""
+        ...
+
+    identity: Identity
+    """Signs our fragments and the round records we write."""
+
+    def state(self) -> dict[str, torch.Tensor]:
+        """What the codec carries between rounds (SparseLoCo: error feedback), for checkpoints."""
+        ...
+
+    def load_state(self, state: dict[str, torch.Tensor]) -> None:
+        """Restore `state()` (tensors on the CPU; the codec moves them where it works)."""
         ...
 
     @property
@@ -117,6 +139,8 @@ class SyncStats:
     not_uploaded: int = 0
     """Our fragments that did not land (store error, or the key already held other bytes)."""
     last_contributors: list[int] = field(default_factory=list)
+    bytes_records: int = 0
+    """Round records we wrote (a few hundred bytes per round and fragment; not in bytes_up)."""
 
 
 class OuterSync:
@@ -132,6 +156,7 @@ class OuterSync:
         stage: int,
         replica: int,
         stage_peers: dict[int, str],
+        former_stage_peers: dict[int, set[str]] | None = None,
         H: int,
         P: int,
         tau: int,
@@ -147,6 +172,7 @@ class OuterSync:
         self.store, self.codec = store, codec
         self.run_id, self.stage, self.replica = run_id, stage, replica
         self.stage_peers = dict(stage_peers)
+        self.former: dict[int, set[str]] = {r: set(v) for r, v in (former_stage_peers or {}).items()}
         self.H, self.P, self.tau, self.alpha, self.momentum = H, P, tau, alpha, momentum
         self.timeout_s, self.poll_s = timeout_s, poll_s
         self.aggregate = aggregate
@@ -188,6 +214,45 @@ class OuterSync:
             applied.append(p.fid.fragment)
         return applied
 
+    def round_end(self, step: int) -> int | None:
+        """The round that inner step `step` (1-based) ends, or None: rounds end every H steps."""
+        return step // self.H if step > 0 and step % self.H == 0 else None
+
+    def checkpoint_due(self, step: int, every: int) -> int | None:
+        """The round to checkpoint after inner step `step`, or None. A checkpoint is taken when round r's
+        fragments are all applied (tau steps after it ends) and nothing of round r+1 is in flight, so the
+        anchor, momentum and error feedback are exactly round r's; every `every` rounds."""
+        if every <= 0 or step < self.H or (step - self.tau) % self.H or self._pending:
+            return None
+        rnd = (step - self.tau) // self.H
+        return rnd if rnd % every == 0 else None
+
+    # --- state: checkpoints and digests -----------------------------------------------------------
+    def state_tensors(self, names: list[str]) -> dict[str, torch.Tensor]:
+        """The round owner's state by parameter name: consensus anchor, outer momentum, codec state."""
+        if len(names) != len(self.params):
+            raise ValueError(f"{len(names)} names for {len(self.params)} parameters")
+        out = {f"anchor.{n}": a for n, a in zip(names, self.anchor, strict=True)}
+        out.update({f"outer_m.{n}": m for n, m in zip(names, self.outer_m, strict=False)})
+        out.update({f"codec.{k}": v for k, v in self.codec.state().items()})
+        return out
+
+    def load_state_tensors(self, names: list[str], state: dict[str, torch.Tensor]) -> None:
+        """Restore `state_tensors()`; raises KeyError naming what a checkpoint lacks."""
+        with torch.no_grad():
+            for n, a in zip(names, self.anchor, strict=True):
+                a.copy_(state[f"anchor.{n}"].to(a.device, a.dtype))
+            for n, m in zip(names, self.outer_m, strict=False):
+                m.copy_(state[f"outer_m.{n}"].to(m.device, m.dtype))
+        self.codec.load_state({k[len("codec.") :]: v for k, v in state.items() if k.startswith("codec.")})
+
+    def anchor_digest(self) -> str:
+        """sha256 of the consensus anchor's bytes (equal on every replica after the same rounds)."""
+        h = hashlib.sha256()
+        for a in self.anchor:
+            h.update(a.detach().float().cpu().contiguous().numpy().tobytes())
+        return h.hexdigest()
+
     def finish(self) -> None:
         """Apply whatever is still pending (end of run) and stop the I/O thread."""
         for p in list(self._pending):
@@ -227,9 +292,31 @@ class OuterSync:
             return None, None
         return (True, None) if stored == data else (False, stored)
 
-    def _listing(self, fid: FragmentId, signers: dict[int, str]) -> dict[int, list[str]]:
-        """Fragment keys of this round per replica, keeping only those named by the replica's signer in
-        effect (anything else under the round is not looked at). An unanswered LIST reads as empty."""
+    # --- who may sign a slot -----------------------------------------------------------------------
+    def set_stage_peers(self, stage_peers: dict[int, str], former: dict[int, set[str]] | None = None) -> None:
+        """The signers of this stage's slots changed (a replica was rebuilt with a new node): the old
+        signer of a slot stays known for the rounds it signed (round records may list its fragments)."""
+        known = {r: set(v) for r, v in self.former.items()}
+        for r, old in self.stage_peers.items():
+            if stage_peers.get(r) != old:
+                known.setdefault(r, set()).add(old)
+        for r, peers in (former or {}).items():
+            known.setdefault(r, set()).update(peers)
+        self.former = known
+        self.stage_peers = dict(stage_peers)
+
+    def _signers(self, r: int) -> set[str]:
+        """Every signer whose fragments count for replica r's slot: its node now and the ones it replaced."""
+        now = self.codec.signer if r == self.replica else self.stage_peers.get(r)
+        return ({now} if now else set()) | self.former.get(r, set())
+
+    def _slots(self) -> set[int]:
+        return set(self.stage_peers) | {self.replica}
+
+    # --- the exchange -----------------------------------------------------------------------------
+    def _listing(self, fid: FragmentId) -> dict[int, list[str]]:
+        """Fragment keys of this round per replica, keeping only those named by a signer of the replica's
+        slot (anything else under the round is not looked at). An unanswered LIST reads as empty."""
         prefix = keys.sync_prefix(fid.run_id, fid.stage, fid.fragment, fid.round)
         try:
             listed = self.store.list(prefix)
@@ -239,7 +326,7 @@ class OuterSync:
         found: dict[int, list[str]] = {}
         for key in sorted(listed):
             parsed = keys.parse_sync_key(prefix, key)
-            if parsed is not None and signers.get(parsed[0]) == parsed[1]:
+            if parsed is not None and parsed[1] in self._signers(parsed[0]):
                 found.setdefault(parsed[0], []).append(key)
         return found
 
@@ -263,34 +350,176 @@ class OuterSync:
             raise ProtocolError("its bytes do not match the hash its key names (truncated or planted)")
         return self.codec.decode(fid, blob, shapes, signer)
 
-    def _exchange(self, fid: FragmentId, encoding: Encoding, shapes: list[torch.Size]) -> _Exchanged:
-        """I/O thread: finish encoding ours, upload it, then fetch every other replica's until all arrived
-        or the deadline.
+    def _read_record(self, fid: FragmentId, seen_bad: set[bytes]) -> tuple[RoundRecord | None, bool]:
+        """(the round's agreed record if one is there and valid, whether any object is at its key).
+        A record counts when a signer of this stage's slots signed it for exactly this round and every
+        entry names a signer of its slot; an invalid one is logged once and read as absent."""
+        key = keys.round_record_key(fid.run_id, fid.stage, fid.fragment, fid.round)
+        try:
+            blob = self.store.get(key, max_bytes=MAX_RECORD_BYTES)
+        except ObjectTooLarge as e:
+            self._reject_record(fid, str(e), seen_bad, b"too large")
+            return None, True
+        except StoreError as e:
+            log.debug("reading %s failed (retrying): %s", key, e)
+            return None, False
+        if blob is None:
+            return None, False
+        try:
+            signed = open_envelope(blob, RoundRecord)
+            rec = signed.body
+            if not any(signed.signer_id in self._signers(r) for r in self._slots()):
+                raise ProtocolError(f"signed by {signed.signer_id}, not a node of this stage")
+            if (rec.run_id, rec.stage, rec.fragment, rec.round) != (
+                fid.run_id,
+                fid.stage,
+                fid.fragment,
+                fid.round,
+            ):
+                raise ProtocolError("it is the record of another round")
+            for e in rec.entries:
+                if e.signer not in self._signers(e.replica):
+                    raise ProtocolError(f"it lists a fragment of replica {e.replica} signed by {e.signer}")
+        except (ProtocolError, ValueError) as e:  # ValueError: a bad signature
+            self._reject_record(fid, str(e), seen_bad, blob)
+            return None, True
+        return rec, True
 
-        A slot is settled only by a valid fragment signed by the replica's signer in effect, found at a key
-        that names that signer and the fragment's hash. Anything else under the round (a squatter's object,
-        a truncated or forged one, one signed by a stranger) is counted as rejected and never read again,
-        and the slot stays open until the deadline: planting garbage cannot empty a round. Our own slot is
-        resolved like a peer's: if it already holds a valid fragment of ours (uploaded before a restart),
-        every replica may have used that one, so we use it too and do not upload a second."""
+    def _reject_record(self, fid: FragmentId, why: str, seen_bad: set[bytes], blob: bytes) -> None:
+        if blob not in seen_bad:
+            seen_bad.add(blob)
+            with self._lock:
+                self.stats.rejected += 1
+            log.warning(
+                "round %d fragment %d: the object at the round record's key is not valid: %s",
+                fid.round,
+                fid.fragment,
+                why,
+            )
+
+    def _settle(
+        self, fid: FragmentId, used: dict[int, tuple[str, str]], seen_bad: set[bytes]
+    ) -> RoundRecord | None:
+        """Write our view as the round's record (first writer wins) or adopt the one written first.
+        None: no valid record could be had before a second deadline (the key squatted, or the store
+        silent); the caller applies its own view."""
+        ours = RoundRecord(
+            run_id=fid.run_id,
+            stage=fid.stage,
+            fragment=fid.fragment,
+            round=fid.round,
+            entries=[RecordEntry(replica=r, signer=sg, digest=d) for r, (sg, d) in sorted(used.items())],
+        )
+        key = keys.round_record_key(fid.run_id, fid.stage, fid.fragment, fid.round)
+        blob = seal(self.codec.identity, ours)
+        deadline = time.monotonic() + self.timeout_s
+        while True:
+            try:
+                if self.store.put_if_absent(key, blob) is not None:
+                    with self._lock:
+                        self.stats.bytes_records += len(blob)
+                    return ours
+            except StoreError as e:
+                log.debug("writing the round record %s failed (retrying): %s", key, e)
+            rec, present = self._read_record(fid, seen_bad)
+            if rec is not None:
+                return rec
+            if time.monotonic() > deadline or present:
+                if present:  # squatted: nobody can write a valid record there
+                    log.warning(
+                        "round %d fragment %d: no valid round record can be written; applying this "
+                        "replica's own view (replicas may differ for this round)",
+                        fid.round,
+                        fid.fragment,
+                    )
+                return None
+            time.sleep(self.poll_s)
+
+    def _follow(
+        self,
+        fid: FragmentId,
+        rec: RoundRecord,
+        contribs: dict[int, list[torch.Tensor]],
+        used: dict[int, tuple[str, str]],
+        shapes: list[torch.Size],
+    ) -> dict[int, list[torch.Tensor]]:
+        """Exactly the record's set: what we hold already, the rest fetched by the keys it names. An
+        entry whose object is not a valid fragment is left out by every replica alike (all read the same
+        bytes); one the store will not give us before a second deadline fails the round."""
+        final: dict[int, list[torch.Tensor]] = {}
+        deadline = time.monotonic() + self.timeout_s
+        for e in rec.entries:
+            if used.get(e.replica) == (e.signer, e.digest):
+                final[e.replica] = contribs[e.replica]
+                continue
+            key = keys.fragment_key(
+                fid.run_id, fid.stage, fid.fragment, fid.round, e.replica, e.signer, e.digest
+            )
+            other = FragmentId(fid.run_id, fid.stage, fid.fragment, fid.round, e.replica)
+            while e.replica not in final:
+                try:
+                    got = self._fetch_valid(other, key, shapes, e.signer)
+                except (ProtocolError, ObjectTooLarge) as err:
+                    log.warning(
+                        "round %d: the record lists an invalid fragment of replica %d: %s",
+                        fid.round,
+                        e.replica,
+                        err,
+                    )
+                    break
+                if got is not None:
+                    final[e.replica] = got
+                elif time.monotonic() > deadline:
+                    raise RoundAgreementError(
+                        f"round {fid.round} fragment {fid.fragment}: the agreed record lists replica "
+                        f"{e.replica}'s fragment {key}, which the store did not give us within "
+                        f"{self.timeout_s:.0f} s; this replica cannot apply the agreed set"
+                    )
+                else:
+                    time.sleep(self.poll_s)
+        return final
+
+    def _exchange(self, fid: FragmentId, encoding: Encoding, shapes: list[torch.Size]) -> _Exchanged:
+        """I/O thread: finish encoding ours, upload it, gather the other replicas' fragments until all
+        arrived or the deadline, then agree on the round's set through its write-once round record.
+
+        A slot is settled only by a valid fragment signed by a signer of the replica's slot, found at a
+        key that names that signer and the fragment's hash. Anything else under the round (a squatter's
+        object, a truncated or forged one, one signed by a stranger) is counted as rejected and never read
+        again, and the slot stays open until the deadline: planting garbage cannot empty a round. Our own
+        slot is resolved like a peer's: if it already holds a valid fragment of ours (uploaded before a
+        restart), every replica may have used that one, so we use it too and do not upload a second.
+
+        Whoever settles first (every slot in, or its deadline) writes the set it holds as the round's
+        record; every replica that finds a record applies exactly that set, fetching what it lacks, so
+        replicas with different deadlines or a late, rebuilt one apply the same set."""
         data, own = encoding()
         me = fid.replica
-        signers = {**self.stage_peers, me: self.codec.signer}
-        own_key = keys.sync_key(fid.run_id, fid.stage, fid.fragment, fid.round, me, signers[me], data)
+        own_digest = keys.content_digest(data)
+        own_key = keys.fragment_key(
+            fid.run_id, fid.stage, fid.fragment, fid.round, me, self.codec.signer, own_digest
+        )
         contribs: dict[int, list[torch.Tensor]] = {}
+        used: dict[int, tuple[str, str]] = {}  # replica -> (signer, digest) of what contribs holds
         bad: set[str] = set()  # keys that held no valid fragment of their slot
+        bad_records: set[bytes] = set()
         uploaded = False
         why_not_ours = "the object store did not answer before the deadline"
         deadline = time.monotonic() + self.timeout_s
+        rec: RoundRecord | None = None
         while True:
-            found = self._listing(fid, signers)
-            for r in sorted(set(signers) - set(contribs)):
+            rec, _ = self._read_record(fid, bad_records)
+            if rec is not None:
+                break
+            found = self._listing(fid)
+            for r in sorted(self._slots() - set(contribs)):
                 other = FragmentId(fid.run_id, fid.stage, fid.fragment, fid.round, r)
                 for key in found.get(r, []):
-                    if key in bad or (r == me and key == own_key):
+                    if key in bad or key == own_key:
                         continue
+                    signer = key.rsplit("/", 2)[1]
                     try:
-                        got = self._fetch_valid(other, key, shapes, signers[r])
+                        got = self._fetch_valid(other, key, shapes, signer)
                     except (ProtocolError, ObjectTooLarge) as e:
                         bad.add(key)
                         with self._lock:
@@ -298,23 +527,26 @@ class OuterSync:
                         log.warning("rejected an object under replica %d's slot of %s: %s", r, fid, e)
                         continue
                     if got is not None:
-                        contribs[r] = got
+                        contribs[r], used[r] = got, (signer, key.rsplit("/", 1)[1])
                         if r == me:
-                            why_not_ours = (
-                                "a valid fragment of ours was already in the store (from before a restart)"
-                            )
+                            why_not_ours = "a valid fragment of this slot was already in the store (from before a restart)"
                         break
                 if r == me and me not in contribs and not uploaded:
                     state, _ = self._put_once(own_key, data)
                     if state is True:
                         uploaded = True
-                        contribs[me] = own
+                        contribs[me], used[me] = own, (self.codec.signer, own_digest)
                     elif state is False:  # our exact key held other bytes: only someone who knew our bytes
                         bad.add(own_key)
                         why_not_ours = "our fragment's key already held other bytes"
-            if not set(signers) - set(contribs) or time.monotonic() > deadline:
+            if not self._slots() - set(contribs) or time.monotonic() > deadline:
+                rec = self._settle(fid, used, bad_records)
                 break
             time.sleep(self.poll_s)
+        if rec is not None:
+            contribs = self._follow(fid, rec, contribs, used, shapes)
+            if me not in contribs:
+                why_not_ours = "the round's agreed record, written by the replica that settled it first, does not list it"
         ours_used = contribs.get(me) is own
         if not ours_used:
             with self._lock:
@@ -324,12 +556,14 @@ class OuterSync:
                 fid,
                 why_not_ours,
             )
-        missing = set(signers) - set(contribs) - {me}
+        missing = self._slots() - set(contribs) - {me}
         if missing:
             with self._lock:
                 self.stats.missing += len(missing)
             log.warning(
-                "round %d fragment %d: replicas %s did not arrive within %.0f s; aggregating %s",
+                "run %s stage %d round %d fragment %d: replicas %s did not arrive within %.0f s; aggregating %s",
+                fid.run_id,
+                fid.stage,
                 fid.round,
                 fid.fragment,
                 sorted(missing),

@@ -73,8 +73,10 @@ class SparseLoCoCodec(FragmentCodec):
         on_device = self.device_path if self.device_path is not None else bool(delta and delta[0].is_cuda)
         where = delta[0].device if on_device and delta else torch.device("cpu")
         e = self.e.get(fid.fragment)
-        if e is None or [t.shape for t in e] != [d.shape for d in delta] or (e and e[0].device != where):
+        if e is None or [t.shape for t in e] != [d.shape for d in delta]:
             e = [torch.zeros(d.shape, dtype=torch.float32, device=where) for d in delta]
+        elif e and e[0].device != where:  # restored from a checkpoint on the CPU: move it, keep it
+            e = [t.to(where) for t in e]
         if on_device:
             from protocol.sparseloco_device import error_feedback_step_device
 
@@ -90,6 +92,20 @@ class SparseLoCoCodec(FragmentCodec):
             replica=fid.replica,
         )
         return lambda: (encode_fragment(self.identity, header, cf), decompress(cf))
+
+    def state(self) -> dict[str, torch.Tensor]:
+        return {f"ef.{f}.{j}": t for f, e in sorted(self.e.items()) for j, t in enumerate(e)}
+
+    def load_state(self, state: dict[str, torch.Tensor]) -> None:
+        """Error feedback from a checkpoint; kept on the CPU until the first encode moves it (encode
+        rebuilds a buffer whose device differs from delta's, so the buffers go where the stage is)."""
+        e: dict[int, list[torch.Tensor]] = {}
+        for key in sorted(state, key=lambda k: tuple(int(x) for x in k.split(".")[1:])):
+            f, j = (int(x) for x in key.split(".")[1:])
+            if j != len(e.setdefault(f, [])):
+                raise KeyError(f"error feedback tensor {key} out of order in the checkpoint")
+            e[f].append(state[key].float().clone())
+        self.e = e
 
     def restore(self, fid: FragmentId, unsent: list[torch.Tensor]) -> None:
         """e_f += decode(c): a contribution nobody received is sent again in a later round."""

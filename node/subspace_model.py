@@ -29,39 +29,25 @@ state to reshape). The price is these two calls, two thin (d x k) matmuls per co
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Literal
 
 import torch
 
 from node.model import Stage
 from protocol.runspec import ModelSpec, PipelineSpec
-from protocol.subspace import ActivationCodec, SubspaceBoundary, basis, token_table
+from protocol.subspace import (
+    ActivationCodec,
+    SubspaceBoundary,
+    SubspacePlan,
+    basis,
+    subspace_plan,
+    token_table,
+)
 
 Side = Literal["out", "rows"]
 """How a weight writes the residual: nn.Linear (d, n) output columns ("out": W <- U U^T W) or embedding
 rows ("rows": E <- E U U^T)."""
-
-
-@dataclass(frozen=True)
-class SubspacePlan:
-    """Which k confines each residual writer, derived from the model, the pipeline links and the split."""
-
-    d: int
-    link_k: tuple[int, ...]
-    """Width of each boundary b = 0..S-2 as the run spec sets it (k = d: dense)."""
-    wire_k: tuple[int, ...]
-    """Width each boundary actually sends: wire_k[b] = min(link_k[b:]). Everything written before boundary b
-    is also before every later boundary, so it already lies in the narrowest later span: extra columns would
-    carry zeros (a dense link followed by a compressed one is compressed for free, and exactly)."""
-    boundaries: tuple[int, ...]
-    """Boundary b sits before layer boundaries[b] (= the end of stage b's range)."""
-    k_max: int | None
-    """Widest compressed link: U has k_max columns. None: no compressed link, nothing is constrained."""
-    embed_k: int | None
-    """E's rows are confined to span(U[:, :embed_k]) (the narrowest compressed link)."""
-    write_k: dict[int, int] = field(default_factory=dict)
-    """layer -> k that its attn.wo and mlp.w_down outputs are confined to; absent = full-rank."""
 
 
 @dataclass(frozen=True)
@@ -70,44 +56,6 @@ class Constraint:
     """Parameter name within the stage (e.g. 'layers.1.attn.wo.weight')."""
     k: int
     side: Side
-
-
-def subspace_plan(
-    model_spec: ModelSpec, pipeline_spec: PipelineSpec, ranges: list[tuple[int, int]]
-) -> SubspacePlan:
-    """wire_k[b] = min(link_k[b:]); k(l) = min{wire_k[b] < d : boundary b after layer l}; E: min over all."""
-    d, S = model_spec.d_model, len(ranges)
-    if not ranges or ranges[0][0] != 0 or ranges[-1][1] != model_spec.n_layers:
-        raise ValueError(f"layer ranges {ranges} must cover layers 0..{model_spec.n_layers} in order")
-    if any(a >= b for a, b in ranges) or any(p[1] != q[0] for p, q in zip(ranges, ranges[1:], strict=False)):
-        raise ValueError(f"layer ranges {ranges} must be contiguous and non-empty")
-    link_k = tuple(pipeline_spec.link_k) if pipeline_spec.link_k else (d,) * (S - 1)
-    if len(link_k) != S - 1:
-        raise ValueError(f"pipeline.link_k has {len(link_k)} values; a {S}-stage split has {S - 1} links")
-    for k in link_k:
-        if not 0 < k <= d:
-            raise ValueError(f"pipeline.link_k value {k} must be in 1..d_model={d}")
-    boundaries = tuple(end for _, end in ranges[:-1])
-    wire_k = tuple(min(link_k[b:]) for b in range(S - 1))
-    compressed = [(at, k) for at, k in zip(boundaries, wire_k, strict=True) if k < d]
-    if not compressed:
-        return SubspacePlan(
-            d=d, link_k=link_k, wire_k=wire_k, boundaries=boundaries, k_max=None, embed_k=None
-        )
-    write_k = {}
-    for layer in range(model_spec.n_layers):
-        after = [k for at, k in compressed if layer < at]
-        if after:
-            write_k[layer] = min(after)
-    return SubspacePlan(
-        d=d,
-        link_k=link_k,
-        wire_k=wire_k,
-        boundaries=boundaries,
-        k_max=max(k for _, k in compressed),
-        embed_k=min(k for _, k in compressed),
-        write_k=write_k,
-    )
 
 
 def constrain_stage(

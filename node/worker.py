@@ -6,8 +6,8 @@ capture/apply schedule; validation on consensus weights at round boundaries; pro
 
 from __future__ import annotations
 
+import contextlib
 import hashlib
-import io
 import logging
 import math
 import threading
@@ -20,7 +20,13 @@ import torch
 from node.acceptor import Acceptor
 from node.data import Corpus
 from node.device import describe, resolve_precision
-from node.inner_step import inner_step, make_optimizer, prepare_stage
+from node.inner_step import (
+    inner_step,
+    load_optimizer_tensors,
+    make_optimizer,
+    optimizer_tensors,
+    prepare_stage,
+)
 from node.model import Stage, build_stage
 from node.outer_sync import OuterSync
 from node.schedule import PipelineStage
@@ -28,14 +34,17 @@ from node.sparseloco_sync import make_sync_parts
 from node.subspace_model import boundary_codecs, constrain_stage, project_weights_
 from node.transport import Link, Shaper, connect
 from protocol import keys
+from protocol.checkpoint import Checkpoint, CheckpointRefused, read_checkpoint, read_round, write_checkpoint
 from protocol.envelope import seal
 from protocol.framing import encode_frame
-from protocol.identity import Identity
+from protocol.identity import Identity, public_key_of_peer_id
 from protocol.messages import Assignment, Hello
-from protocol.store import ObjectStore
+from protocol.schema import ProtocolError
+from protocol.store import ObjectStore, StoreError
 
 log = logging.getLogger(__name__)
 LN2 = math.log(2)
+ANCHOR_HISTORY = 32
 
 
 @dataclass
@@ -64,6 +73,13 @@ class WorkerMetrics:
     fragments_missing: int = 0
     fragments_not_uploaded: int = 0
     weights_sha256: str = ""
+    anchor_round: int = -1
+    """The last round whose consensus anchor this stage checkpointed, and its sha256 (every replica's
+    stage shows the same digest for the same round)."""
+    anchor_sha256: str = ""
+    anchor_history: list[tuple[int, str]] = field(default_factory=list)
+    """(round, anchor sha256) of the last ANCHOR_HISTORY checkpointed rounds, to compare replicas at equal
+    rounds (a rebuilt replica replays rounds the others passed)."""
     device: str = ""
     """Where this assignment trains (e.g. "cuda:0 (NVIDIA H200, 139.8 GiB)" or "cpu")."""
     precision: str = ""
@@ -114,6 +130,8 @@ class StageWorker:
         self.sync: OuterSync | None = None
         self._aborted = threading.Event()
         self.next: Link | None = None
+        self._resume: Checkpoint | None = None
+        self._ckpt_thread: threading.Thread | None = None
 
     # --- set-up -----------------------------------------------------------------------------------
     def _shaper(self) -> Shaper:
@@ -140,9 +158,9 @@ class StageWorker:
             )
             self.prev = Link(sock, f"{a.prev.peer_id[-8:]} (stage {a.stage - 1})", shaper=self._shaper())
             start = hello.start_step
-        elif start < 0:
-            latest = self.store.get(keys.ckpt_latest_key(a.run_id, a.stage))
-            start = int(latest.decode()) if latest else 0
+        elif start < 0:  # the first stage picks the round its replica resumes from
+            self._resume = self._latest_checkpoint()
+            start = self._resume.step if self._resume is not None else 0
         if a.next is not None:
             sock = connect(
                 a.next.host, a.next.port, timeout_s=self.connect_timeout_s, cancelled=self._cancelled
@@ -168,23 +186,137 @@ class StageWorker:
                 link.flush(5.0)
                 link.close()
 
-    def _load_checkpoint(self, module: Stage, step: int, wait_s: float = 120.0) -> None:
-        """Load the consensus weights of `step` (waiting for a checkpoint still being written)."""
+    # --- checkpoints (written and read by the round owner's state; protocol/checkpoint.py) ----------
+    def _trusted_signers(self) -> set[bytes]:
+        """Whose checkpoints of this stage we believe: the nodes of this stage in every replica, now
+        or earlier in the run (a rebuilt replica resumes from its predecessor's checkpoint)."""
+        peers = set(self.a.stage_peers.values()) | {self.identity.peer_id}
+        for former in self.a.former_stage_peers.values():
+            peers.update(former)
+        trusted = set()
+        for p in peers:
+            with contextlib.suppress(ProtocolError):
+                trusted.add(public_key_of_peer_id(p))
+        return trusted
+
+    def _latest_checkpoint(self) -> Checkpoint | None:
+        """This replica's newest valid checkpoint of this stage that every later stage of the replica
+        also wrote (refused ones are logged and skipped); another replica's when this replica has none (a
+        new replica joining a running run)."""
+        a = self.a
+        for replica in [a.replica, *sorted(int(r) for r in a.stage_peers if int(r) != a.replica)]:
+            ck, rnd = None, None
+            while True:
+                ck = read_checkpoint(
+                    self.store,
+                    run_id=a.run_id,
+                    stage=a.stage,
+                    replica=replica,
+                    round=rnd,
+                    trusted=self._trusted_signers(),
+                )
+                if ck is None or all(
+                    self.store.head(keys.ckpt_manifest_key(a.run_id, rnd=ck.round, stage=s, replica=replica))
+                    for s in range(a.stage + 1, self.spec.stages)
+                ):
+                    break
+                log.info("round %d is not checkpointed by every stage; trying an earlier one", ck.round)
+                if ck.round == 0:
+                    ck = None
+                    break
+                rnd = ck.round - 1
+            if ck is not None:
+                log.info(
+                    "run %s r%d/s%d resumes from round %d (step %d) of replica %d",
+                    a.run_id,
+                    a.replica,
+                    a.stage,
+                    ck.round,
+                    ck.step,
+                    replica,
+                )
+                return ck
+        return None
+
+    def _checkpoint_at(self, step: int, wait_s: float = 120.0) -> Checkpoint:
+        """The checkpoint of the round that ends at `step` (the first stage chose it): this replica's,
+        else any replica's of this stage; waits for one still being written."""
+        a, sync = self.a, self.spec.sync
+        rnd = (step - sync.tau) // sync.H
         deadline = time.monotonic() + wait_s
-        while (blob := self.store.get(keys.ckpt_key(self.a.run_id, step, self.a.stage))) is None:
+        while True:
+            for replica in [a.replica, *sorted(int(r) for r in a.stage_peers if int(r) != a.replica)]:
+                try:
+                    ck = read_round(
+                        self.store,
+                        run_id=a.run_id,
+                        stage=a.stage,
+                        replica=replica,
+                        round=rnd,
+                        trusted=self._trusted_signers(),
+                    )
+                    log.info(
+                        "run %s r%d/s%d resumes from round %d (step %d) of replica %d",
+                        a.run_id,
+                        a.replica,
+                        a.stage,
+                        rnd,
+                        step,
+                        replica,
+                    )
+                    return ck
+                except CheckpointRefused as e:
+                    log.warning("checkpoint of round %d, replica %d: %s", rnd, replica, e)
             if time.monotonic() > deadline or self.should_stop():
                 raise RuntimeError(
-                    f"no consensus checkpoint at step {step} for stage {self.a.stage} after {wait_s:.0f} s; "
-                    "cannot resume"
+                    f"no valid checkpoint of round {rnd} (step {step}) for stage {a.stage} after "
+                    f"{wait_s:.0f} s; cannot resume"
                 )
             time.sleep(0.5)
-        module.load_state_dict(torch.load(io.BytesIO(blob), weights_only=True, map_location="cpu"))
 
-    def _save_checkpoint(self, module: Stage, step: int) -> None:
-        buf = io.BytesIO()
-        torch.save({k: v.detach().cpu() for k, v in module.state_dict().items()}, buf)
-        self.store.put(keys.ckpt_key(self.a.run_id, step, self.a.stage), buf.getvalue())
-        self.store.put(keys.ckpt_latest_key(self.a.run_id, self.a.stage), str(step).encode())
+    def _save_checkpoint(
+        self, module: Stage, opt: torch.optim.Optimizer, sync: OuterSync, step: int, rnd: int
+    ) -> None:
+        """Everything needed to continue from round `rnd`: local weights, consensus anchor, outer
+        momentum, error feedback, optimizer moments, data position. Snapshotted to the CPU here (training
+        goes on), uploaded on a background thread; the previous upload is waited for first."""
+        if self._ckpt_thread is not None:
+            self._ckpt_thread.join()
+        names = [n for n, _ in module.named_parameters()]
+        tensors = {f"model.{k}": v for k, v in module.state_dict().items()}
+        tensors.update(sync.state_tensors(names))
+        tensors.update(optimizer_tensors(module, opt))
+        snapshot = {k: v.detach().to("cpu", copy=True) for k, v in tensors.items()}
+        a = self.a
+
+        def upload() -> None:
+            try:
+                write_checkpoint(
+                    self.store,
+                    self.identity,
+                    run_id=a.run_id,
+                    stage=a.stage,
+                    replica=a.replica,
+                    round=rnd,
+                    step=step,
+                    tensors=snapshot,
+                    meta={"data_seed": self.spec.train.data_seed, "data_step": step},
+                )
+            except (StoreError, ValueError, OSError) as e:  # the next round's checkpoint tries again
+                log.warning("checkpoint of round %d not written: %s", rnd, e)
+
+        self._ckpt_thread = threading.Thread(target=upload, name="checkpoint", daemon=True)
+        self._ckpt_thread.start()
+
+    def _restore(self, ck: Checkpoint, module: Stage, opt: torch.optim.Optimizer, sync: OuterSync) -> None:
+        """Optimizer, anchor, outer momentum and error feedback from `ck` (the weights were loaded before
+        the stage moved to its device)."""
+        names = [n for n, _ in module.named_parameters()]
+        try:
+            sync.load_state_tensors(names, ck.tensors)
+            load_optimizer_tensors(module, opt, ck.tensors)
+        except KeyError as e:
+            raise RuntimeError(f"checkpoint of round {ck.round} lacks {e}: written by an older build?") from e
 
     def _cancelled(self) -> bool:
         return self._aborted.is_set() or self.should_stop() is not None
@@ -196,10 +328,16 @@ class StageWorker:
             if link is not None:
                 link.close()
 
-    def update_stage_peers(self, stage_peers: dict[str, str]) -> None:
-        """A replica elsewhere was rebuilt with a new node: trust its signer from now on (no restart)."""
+    def update_stage_peers(
+        self, stage_peers: dict[str, str], former: dict[str, list[str]] | None = None
+    ) -> None:
+        """A replica elsewhere was rebuilt with a new node: trust its signer from now on (no restart); the
+        node it replaced stays a signer of the rounds it took part in."""
         if self.sync is not None:
-            self.sync.stage_peers = {int(r): p for r, p in stage_peers.items()}
+            self.sync.set_stage_peers(
+                {int(r): p for r, p in stage_peers.items()},
+                {int(r): set(p) for r, p in (former or {}).items()},
+            )
 
     # --- the loop ---------------------------------------------------------------------------------
     def run(self) -> str:
@@ -216,8 +354,12 @@ class StageWorker:
         m.device, m.precision = describe(self.device), precision
         try:
             start = self._open_links()
-            if start > 0:
-                self._load_checkpoint(module, start)
+            ck = None
+            if a.start_step < 0 and start > 0:  # a rebuilt or relaunched replica resumes
+                ck = self._resume if self._resume is not None else self._checkpoint_at(start)
+                module.load_state_dict(
+                    {k[len("model.") :]: v for k, v in ck.tensors.items() if k.startswith("model.")}
+                )
                 project_weights_(module)
             prepare_stage(module, self.device, precision, compile=self.compile)
             log.info("run %s r%d/s%d trains on %s in %s", a.run_id, a.replica, a.stage, m.device, precision)
@@ -241,6 +383,7 @@ class StageWorker:
                 stage=a.stage,
                 replica=a.replica,
                 stage_peers={int(r): p for r, p in a.stage_peers.items()},
+                former_stage_peers={int(r): set(p) for r, p in a.former_stage_peers.items()},
                 H=spec.sync.H,
                 P=spec.sync.P,
                 tau=spec.sync.tau,
@@ -249,6 +392,8 @@ class StageWorker:
                 timeout_s=spec.sync.timeout_s,
             )
             self.sync = sync
+            if ck is not None:
+                self._restore(ck, module, opt, sync)
             m.step = start
             pipe = PipelineStage(
                 module,
@@ -308,16 +453,16 @@ class StageWorker:
                     last_log = now
                     self._log_progress()
                 self._update_io(sync)
-                if (step + 1) % spec.sync.H == 0:
-                    rnd = (step + 1) // spec.sync.H
+                rnd = sync.round_end(step + 1)  # the round owner says when a round ends
+                if rnd is not None:
                     m.rounds = rnd
-                    # any replica that took part holds the consensus: the lowest one writes it
-                    # (nobody contributed: no new consensus, and the replicas' weights may differ)
-                    contributors = sync.stats.last_contributors
-                    if contributors and a.replica == min(contributors):
-                        self._save_checkpoint(module, step + 1)
                     if spec.eval_every and rnd % spec.eval_every == 0 and step + 1 < spec.train.total_steps:
                         self._evaluate(pipe, step + 1, val)
+                done_round = sync.checkpoint_due(step + 1, spec.sync.checkpoint_every)
+                if done_round is not None:
+                    m.anchor_round, m.anchor_sha256 = done_round, sync.anchor_digest()
+                    m.anchor_history = [*m.anchor_history, (done_round, m.anchor_sha256)][-ANCHOR_HISTORY:]
+                    self._save_checkpoint(module, opt, sync, step + 1, done_round)
             sync.finish()
             self._update_io(sync)
             if result == "done":
@@ -326,7 +471,10 @@ class StageWorker:
                 self._report()
         finally:
             self._close_links()
+            if self._ckpt_thread is not None:
+                self._ckpt_thread.join()
         m.state = "done" if result == "done" else "idle"
+        log.info("run %s r%d/s%d ended at step %d: %s", a.run_id, a.replica, a.stage, m.step, result)
         return result
 
     def _log_progress(self) -> None:

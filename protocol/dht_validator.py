@@ -25,15 +25,17 @@ from hivemind.dht.validation import DHTRecord, RecordValidatorBase
 from hivemind.utils import get_dht_time
 
 from protocol import keys
-from protocol.envelope import kind_of, verified_header
+from protocol.envelope import MAX_ENVELOPE_BYTES, kind_of, verified_header
 from protocol.identity import SignatureError, peer_id_of, public_key_of_peer_id
 from protocol.messages import NodeAdvert, RunRecord
+from protocol.msgpack_limits import unpack_bounded
 from protocol.schema import describe
 
 MAX_RECORD_TTL_S = 24 * 3600.0
 """Longest a record may be signed to live; the swarm's records live for seconds to minutes."""
 MAX_SUBKEY_CHARS = 256
 _PEER_ID_CHARS = 64  # an Ed25519 libp2p peer id is 52 base58 characters
+_MAX_SUBKEY_BYTES = 4 * MAX_SUBKEY_CHARS + 5  # msgpack str header + UTF-8
 
 
 def subkey_owner(subkey: object) -> str | None:
@@ -93,7 +95,8 @@ class SignedSubkeyValidator(RecordValidatorBase):
     def _rejection(self, record: DHTRecord) -> str | None:
         if record.subkey in _NO_SUBKEY:
             return "no subkey: every record is stored under its signer's subkey (PEER or name@PEER)"
-        subkey = msgpack.unpackb(record.subkey, raw=False)
+        # both are one msgpack scalar (a str, a bin); the envelope inside the value is bounded again
+        subkey = unpack_bounded(record.subkey, "subkey", max_bytes=_MAX_SUBKEY_BYTES, max_values=1)
         owner = subkey_owner(subkey)
         if owner is None:
             return f"subkey {describe(subkey)} names no peer (expected PEER or name@PEER)"
@@ -105,7 +108,8 @@ class SignedSubkeyValidator(RecordValidatorBase):
                 return f"subkey {describe(subkey)} must be name@PEER under this key"
             if not rule.named and name:
                 return f"subkey {describe(subkey)} must be the bare peer id under this key"
-        header = verified_header(msgpack.unpackb(record.value, raw=False))
+        value = unpack_bounded(record.value, "value", max_bytes=MAX_ENVELOPE_BYTES + 5, max_values=1)
+        header = verified_header(value)
         if rule is not None and header.kind != rule.kind:
             return f"a {describe(header.kind)} message under a key that holds {rule.kind} messages"
         if peer_id_of(header.signer) != owner:

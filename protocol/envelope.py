@@ -22,6 +22,7 @@ from typing import Any, Generic, TypeVar
 import msgpack
 
 from protocol.identity import Identity, SignatureError, peer_id_of, verify
+from protocol.msgpack_limits import unpack_bounded
 from protocol.schema import (  # the errors live in schema, so codecs need no cryptography
     SchemaError,
     UntrustedSigner,
@@ -34,7 +35,22 @@ from protocol.schema import (  # the errors live in schema, so codecs need no cr
 PROTOCOL_VERSION = 1
 _DOMAIN = b"crucible/envelope/v1\x00"
 """The signed prefix of a version-1 envelope without an expiry (see `signed_bytes`)."""
-MAX_ENVELOPE_BYTES = 16 * 1024 * 1024
+MAX_ENVELOPE_BYTES = 4 << 20
+"""Largest envelope `open_envelope` reads unless told otherwise (dense fragments pass their own limit): one
+DHT message (hivemind's bound). The largest messages grow with the swarm: an Assignment by 58 bytes per
+replica in `stage_peers` and 55 per former peer in `former_stage_peers` (59 KB at 1,000 replicas; 3.5 MB
+if each of them was replaced 64 times, the most it remembers), a NodeAdvert by 127 bytes per measured peer
+(127 KB at 1,000 peers); the others are under 1.5 KB."""
+MAX_BODY_VALUES = 1 << 18
+"""Most msgpack values a message body may hold (every key, value and element counts once): an Assignment
+holds 2 per replica and 1 per former peer plus about 140 (81,000 in 4 MiB), a NodeAdvert 4 per measured
+peer plus 60 (132,000 in 4 MiB), so every valid message that fits in MAX_ENVELOPE_BYTES fits here too."""
+MAX_BODY_CONTAINERS = 1 << 16
+"""Most arrays and maps among them: an Assignment holds 1 per replica with former peers plus about 10, a
+dense fragment 1 per tensor plus 2. A body costs at most 65,536 lists and 200,000 scalars (about 20 MB and
+0.3 s at worst), whatever its byte size."""
+_ENVELOPE_VALUES = 16
+"""The envelope is one map of at most 6 scalar fields: 13 values."""
 
 T = TypeVar("T")
 
@@ -104,12 +120,7 @@ def verified_header(data: object, max_bytes: int = MAX_ENVELOPE_BYTES) -> Header
     Raises VersionError / SchemaError (ProtocolError) or SignatureError, with the reason."""
     if not isinstance(data, (bytes, bytearray, memoryview)):
         raise SchemaError(f"envelope: expected bytes, got {describe(data)}")
-    if len(data) > max_bytes:
-        raise SchemaError(f"envelope: {len(data)} bytes exceeds the {max_bytes}-byte limit")
-    try:
-        env = msgpack.unpackb(data, raw=False, strict_map_key=True)
-    except Exception as e:  # msgpack raises several unrelated types on garbage
-        raise SchemaError(f"envelope: not valid msgpack ({type(e).__name__}: {str(e)[:80]})") from e
+    env = unpack_bounded(data, "envelope", max_bytes=max_bytes, max_values=_ENVELOPE_VALUES, max_depth=1)
     if not isinstance(env, dict):
         raise SchemaError(f"envelope: expected a map at the top level, got {describe(env)}")
     version = env.get("v")
@@ -137,7 +148,8 @@ def verified_header(data: object, max_bytes: int = MAX_ENVELOPE_BYTES) -> Header
 def open_envelope(
     data: bytes, cls: type[T], trusted: set[bytes] | None = None, max_bytes: int = MAX_ENVELOPE_BYTES
 ) -> Signed[T]:
-    """Verify and decode an envelope holding a `cls` message.
+    """Verify and decode an envelope holding a `cls` message (its body within MAX_BODY_VALUES and
+    MAX_BODY_CONTAINERS).
 
     trusted: if given, the signer's public key must be in it (e.g. the operator key for assignments).
     Raises VersionError / SchemaError / SignatureError / UntrustedSigner with the reason: all ValueErrors,
@@ -152,12 +164,13 @@ def open_envelope(
             f"{expected} signed by {peer_id_of(header.signer)}, which is not a trusted key for it; "
             "check the --operator-key the node was started with"
         )
-    try:
-        body = msgpack.unpackb(header.payload, raw=False, strict_map_key=True)
-    except Exception as e:
-        raise SchemaError(
-            f"{expected}: payload is not valid msgpack ({type(e).__name__}: {str(e)[:80]})"
-        ) from e
+    body = unpack_bounded(
+        header.payload,
+        f"{expected} payload",
+        max_bytes=max_bytes,
+        max_values=MAX_BODY_VALUES,
+        max_containers=MAX_BODY_CONTAINERS,
+    )
     return Signed(from_dict(cls, body), header.signer, header.expires_at)
 
 

@@ -53,6 +53,11 @@ def slot_prefix(run: str, stage: int, frag: int, rnd: int, replica: int) -> str:
     return f"{sync_prefix(run, stage, frag, rnd)}{replica}/"
 
 
+def round_record_key(run: str, stage: int, frag: int, rnd: int) -> str:
+    """The agreed set of one round (a signed RoundRecord), written once by the replica that settles it."""
+    return f"{sync_prefix(run, stage, frag, rnd)}record"
+
+
 def content_digest(data: bytes) -> str:
     return hashlib.sha256(data).hexdigest()
 
@@ -64,7 +69,12 @@ def sync_key(run: str, stage: int, frag: int, rnd: int, replica: int, signer: st
     effect: garbage under the slot (a squatter's, a truncated upload) sits beside the real fragment
     instead of taking its place, and readers use only what verifies against the key's hash and the
     signer in effect for the replica. Written once (If-None-Match)."""
-    return f"{slot_prefix(run, stage, frag, rnd, replica)}{signer}/{content_digest(data)}"
+    return fragment_key(run, stage, frag, rnd, replica, signer, content_digest(data))
+
+
+def fragment_key(run: str, stage: int, frag: int, rnd: int, replica: int, signer: str, digest: str) -> str:
+    """`sync_key` from the digest (what a round record names)."""
+    return f"{slot_prefix(run, stage, frag, rnd, replica)}{signer}/{digest}"
 
 
 def parse_sync_key(prefix: str, key: str) -> tuple[int, str, str] | None:
@@ -80,12 +90,40 @@ def parse_sync_key(prefix: str, key: str) -> tuple[int, str, str] | None:
     return int(replica), signer, digest
 
 
-def ckpt_key(run: str, step: int, stage: int) -> str:
-    return f"{run}/ckpt/{step:08d}/s{stage}"
+def ckpt_prefix(run: str) -> str:
+    """Every checkpoint of a run: one folder per round, `{run}/ckpt/{round:08d}/`, and the LATEST pointers."""
+    return f"{run}/ckpt/"
 
 
-def ckpt_latest_key(run: str, stage: int) -> str:
-    return f"{run}/ckpt/LATEST-s{stage}"
+def ckpt_dir(run: str, *, rnd: int, stage: int, replica: int) -> str:
+    """One (stage, replica)'s checkpoint at the boundary that closes outer round `rnd`."""
+    return f"{ckpt_prefix(run)}{rnd:08d}/s{stage}/r{replica}/"
+
+
+def ckpt_tensors_key(run: str, *, rnd: int, stage: int, replica: int) -> str:
+    """The checkpoint's tensors: one safetensors object (multipart upload when large)."""
+    return f"{ckpt_dir(run, rnd=rnd, stage=stage, replica=replica)}tensors.safetensors"
+
+
+def ckpt_manifest_key(run: str, *, rnd: int, stage: int, replica: int) -> str:
+    """The checkpoint's signed CheckpointManifest (written after the tensors)."""
+    return f"{ckpt_dir(run, rnd=rnd, stage=stage, replica=replica)}manifest"
+
+
+def ckpt_pointer_key(run: str, *, stage: int, replica: int) -> str:
+    """The signed CheckpointPointer to a (stage, replica)'s newest checkpoint (written last)."""
+    return f"{ckpt_prefix(run)}LATEST-s{stage}-r{replica}"
+
+
+def parse_ckpt_round(run: str, prefix: str) -> int | None:
+    """The round of a round folder `{run}/ckpt/{round:08d}/` (as listed with delimiter "/"), else None."""
+    head = ckpt_prefix(run)
+    if not (prefix.startswith(head) and prefix.endswith("/")):
+        return None
+    digits = prefix[len(head) : -1]
+    if not (8 <= len(digits) <= 19 and digits.isascii() and digits.isdigit()):
+        return None
+    return int(digits)
 
 
 def report_key(run: str, replica: int, stage: int) -> str:

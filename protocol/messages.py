@@ -30,6 +30,10 @@ MAX_MBPS = 1e7
 MAX_RTT_MS = 1e6
 """Round trips longer than 1000 s are not measurements."""
 MAX_TEXT = 256
+MAX_FORMER_PEERS = 64
+MAX_REPLICAS = 1 << 16
+"""RunSpec's bound on R."""
+"""Replacements remembered per slot (a run that churns more than that forgets the oldest)."""
 """Peer ids, hosts, device and version strings."""
 
 
@@ -186,6 +190,10 @@ class Assignment:
     """Inner step to start from; -1 = resume from the latest consensus checkpoint (a replica rebuilt after
     churn): the first stage picks that step and passes it downstream in its Hello."""
     issued_at: float = 0.0
+    former_stage_peers: dict[str, list[str]] = field(default_factory=dict)
+    """Replica index -> peer ids that served this stage in that replica earlier in the run (replaced after
+    churn). Their fragments of past rounds, listed in an agreed round record, are still that slot's: a
+    rebuilt replica replaying those rounds applies exactly what the others applied."""
 
     def __post_init__(self) -> None:
         check_run_id("Assignment.run_id", self.run_id)
@@ -215,6 +223,15 @@ class Assignment:
             _check_text(f"Assignment.stage_peers[{r}]", peer, empty_ok=False)
         check_range("Assignment.start_step", self.start_step, -1, MAX_COUNT)
         check_range("Assignment.issued_at", self.issued_at, 0, MAX_TIME_S)
+        for r, peers in self.former_stage_peers.items():
+            if not (r.isdecimal() and len(r) <= 6 and int(r) < self.spec.replicas):
+                raise ValueError(
+                    f"Assignment.former_stage_peers key {describe(r)} must be a replica index below "
+                    f"replicas={self.spec.replicas}"
+                )
+            check_range(f"Assignment.former_stage_peers[{r}] length", len(peers), 0, MAX_FORMER_PEERS)
+            for peer in peers:
+                _check_text(f"Assignment.former_stage_peers[{r}]", peer, empty_ok=False)
 
 
 @dataclass(kw_only=True, frozen=True)
@@ -270,3 +287,138 @@ class Hello:
         _check_text("Hello.peer_id", self.peer_id, empty_ok=False)
         _check_text("Hello.to_peer_id", self.to_peer_id)
         check_range("Hello.sent_at", self.sent_at, 0, MAX_TIME_S)
+
+
+@dataclass(kw_only=True, frozen=True)
+class RecordEntry:
+    """One fragment an agreed round uses: whose slot, who signed it, and the sha256 of its bytes (which,
+    with the slot and signer, is its store key)."""
+
+    replica: int
+    signer: str
+    digest: str
+
+    def __post_init__(self) -> None:
+        check_range("RecordEntry.replica", self.replica, 0, MAX_REPLICAS - 1)
+        _check_text("RecordEntry.signer", self.signer, empty_ok=False)
+        if len(self.digest) != 64 or any(c not in "0123456789abcdef" for c in self.digest):
+            raise ValueError(f"RecordEntry.digest={describe(self.digest)} must be 64 lowercase hex digits")
+
+
+@dataclass(kw_only=True, frozen=True)
+class RoundRecord:
+    """The agreed set of one round of one fragment of one stage, written once by the first replica to
+    settle it and signed by that replica's node; every replica applies exactly this set."""
+
+    run_id: str
+    stage: int
+    fragment: int
+    round: int
+    entries: list[RecordEntry]
+
+    def __post_init__(self) -> None:
+        check_run_id("RoundRecord.run_id", self.run_id)
+        for name in ("stage", "fragment", "round"):
+            check_range(f"RoundRecord.{name}", getattr(self, name), 0, MAX_COUNT)
+        check_range("RoundRecord.entries length", len(self.entries), 0, MAX_REPLICAS)
+        replicas = [e.replica for e in self.entries]
+        if replicas != sorted(set(replicas)):
+            raise ValueError("RoundRecord.entries must name each replica at most once, in replica order")
+
+
+MAX_META_ENTRIES = 64
+"""Entries in a checkpoint's `meta` (data position, seeds, counters): a few are needed, 64 bound the manifest."""
+MAX_STORE_KEY = 1024
+"""S3's longest object key, in bytes (ASCII here)."""
+_SHA256_HEX = frozenset("0123456789abcdef")
+
+
+def _check_sha256(where: str, value: str) -> None:
+    if len(value) != 64 or not _SHA256_HEX.issuperset(value):
+        raise ValueError(f"{where}={describe(value)} must be a sha256 digest: 64 lowercase hex digits")
+
+
+def _check_ckpt_slot(cls: str, run_id: str, stage: int, replica: int, rnd: int) -> None:
+    check_run_id(f"{cls}.run_id", run_id)
+    check_range(f"{cls}.stage", stage, 0, MAX_COUNT)
+    check_range(f"{cls}.replica", replica, 0, MAX_REPLICAS - 1)
+    check_range(f"{cls}.round", rnd, 0, MAX_COUNT)
+
+
+@dataclass(kw_only=True, frozen=True)
+class CheckpointManifest:
+    """What one (run, stage, replica) checkpoint at a round boundary holds: its tensors object (one
+    safetensors file, named by key, size and sha256) and the little that is not a tensor (`meta`).
+    Signed by the node that wrote it; readers check every field against what they asked for and the
+    object against size and hash before loading a byte of it (protocol/checkpoint.py)."""
+
+    run_id: str
+    stage: int
+    replica: int
+    round: int
+    """Outer round the checkpoint closes: training resumes at the start of round `round`."""
+    step: int
+    """Inner step at that boundary."""
+    created_at: float
+    """Unix time the writer sealed the manifest."""
+    tensors_key: str
+    """Store key of the safetensors object."""
+    tensors_bytes: int
+    tensors_sha256: str
+    """Lowercase hex sha256 of the whole safetensors object."""
+    meta: dict[str, int | float | str] = field(default_factory=dict)
+    """Small non-tensor state (e.g. the data position): at most MAX_META_ENTRIES entries, keys 1-256
+    characters, string values at most 256, numbers finite."""
+
+    def __post_init__(self) -> None:
+        check_finite(self)
+        _check_ckpt_slot("CheckpointManifest", self.run_id, self.stage, self.replica, self.round)
+        check_range("CheckpointManifest.step", self.step, 0, MAX_COUNT)
+        check_range("CheckpointManifest.created_at", self.created_at, 0, MAX_TIME_S)
+        if not 0 < len(self.tensors_key) <= MAX_STORE_KEY:
+            raise ValueError(
+                f"CheckpointManifest.tensors_key={describe(self.tensors_key)} must be 1-{MAX_STORE_KEY} characters"
+            )
+        check_range("CheckpointManifest.tensors_bytes", self.tensors_bytes, 0, MAX_COUNT)
+        _check_sha256("CheckpointManifest.tensors_sha256", self.tensors_sha256)
+        if len(self.meta) > MAX_META_ENTRIES:
+            raise ValueError(
+                f"CheckpointManifest.meta holds {len(self.meta)} entries, more than {MAX_META_ENTRIES}; "
+                "keep tensors in the tensors object and only a few scalars here"
+            )
+        for k, v in self.meta.items():
+            if not isinstance(k, str):
+                raise ValueError(f"CheckpointManifest.meta key {describe(k)} must be a string")
+            _check_text("CheckpointManifest.meta key", k, empty_ok=False)
+            if isinstance(v, str):
+                _check_text(f"CheckpointManifest.meta[{describe(k)}]", v)
+            elif isinstance(v, bool) or not isinstance(v, (int, float)):
+                raise ValueError(
+                    f"CheckpointManifest.meta[{describe(k)}]={describe(v)} must be an int, a float or a string"
+                )
+            elif isinstance(v, int):
+                check_range(f"CheckpointManifest.meta[{describe(k)}]", v, -(2**63), 2**63 - 1)
+
+
+@dataclass(kw_only=True, frozen=True)
+class CheckpointPointer:
+    """The LATEST pointer of one (run, stage, replica): the round of its newest complete checkpoint and
+    the sha256 of that round's manifest envelope. Written only after the tensors and the manifest are in,
+    so a reader that finds it finds a whole checkpoint."""
+
+    run_id: str
+    stage: int
+    replica: int
+    round: int
+    manifest_key: str
+    manifest_sha256: str
+    """Lowercase hex sha256 of the manifest envelope's bytes as stored."""
+
+    def __post_init__(self) -> None:
+        _check_ckpt_slot("CheckpointPointer", self.run_id, self.stage, self.replica, self.round)
+        if not 0 < len(self.manifest_key) <= MAX_STORE_KEY:
+            raise ValueError(
+                f"CheckpointPointer.manifest_key={describe(self.manifest_key)} must be 1-{MAX_STORE_KEY} "
+                "characters"
+            )
+        _check_sha256("CheckpointPointer.manifest_sha256", self.manifest_sha256)

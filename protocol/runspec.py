@@ -156,7 +156,11 @@ class SyncSpec:
     P: int = 1
     """Streaming fragments per stage (1 = no streaming)."""
     tau: int = 0
-    """Overlap: inner steps between a fragment's capture and its application (0 <= tau < H)."""
+    """Overlap: inner steps between a fragment's capture and its application (0 <= tau < H/P: a cycle's
+    fragments are all applied before the next cycle's first capture, which is when checkpoints are taken)."""
+    checkpoint_every: int = 1
+    """Rounds between checkpoints (each replica's stage writes its own: consensus anchor, local weights,
+    optimizer, outer momentum, error feedback, data position); 0 = never."""
     timeout_s: float = 60.0
     """How long a stage waits for the other replicas' fragments before aggregating what arrived."""
     k: int = 64
@@ -204,8 +208,12 @@ class SyncSpec:
             raise ValueError(f"sync.method={describe(self.method)} must be 'diloco' or 'sparseloco'")
         if self.H <= 0 or self.P <= 0 or self.P > self.H:
             raise ValueError(f"sync.H={self.H} and sync.P={self.P} must satisfy 0 < P <= H")
-        if not 0 <= self.tau < self.H:
-            raise ValueError(f"sync.tau={self.tau} must satisfy 0 <= tau < H={self.H}")
+        if not 0 <= self.tau < self.H // self.P:
+            raise ValueError(
+                f"sync.tau={self.tau} must satisfy 0 <= tau < H/P={self.H // self.P} (H={self.H}, "
+                f"P={self.P}): a cycle's fragments must all be applied before the next cycle's first capture"
+            )
+        check_range("sync.checkpoint_every", self.checkpoint_every, 0, MAX_STEPS)
         if not 0 < self.alpha <= 1e3:
             raise ValueError(f"sync.alpha={describe(self.alpha)} must be positive and at most 1000")
         if not 0 <= self.outer_momentum < 1:

@@ -35,6 +35,7 @@ from typing import TYPE_CHECKING, Any
 import msgpack
 import numpy as np
 
+from protocol.msgpack_limits import unpack_bounded
 from protocol.schema import ProtocolError, SchemaError, UntrustedSigner, VersionError, from_dict, to_dict
 from protocol.sparseloco import CompressedFragment, Layout, Shape, SparseLoCoConfig, layout
 
@@ -54,6 +55,10 @@ MAX_PARAMS = 1 << 30
 MAX_HEADER_BYTES = 1 << 20
 MAX_TENSORS = 1 << 16
 MAX_NDIM = 8
+_MAX_HEADER_VALUES = 32 + MAX_TENSORS * (1 + MAX_NDIM)
+"""msgpack values in the largest valid header: 22 for its fields, 1 + ndim per tensor."""
+_MAX_HEADER_CONTAINERS = 8 + MAX_TENSORS
+"""Arrays and maps in the largest valid header: the map, `shapes` and one list per tensor (3 levels)."""
 
 
 class FragmentError(ProtocolError):
@@ -78,7 +83,7 @@ class FragmentMismatch(FragmentError):
 
 @dataclass(kw_only=True, frozen=True)
 class FragmentHeader:
-    """What a fragment is (store key `{run}/sync/s{stage}/f{fragment}/r{round}/{replica}`) and how to
+    """What a fragment is (store key `{run}/sync/s{stage}/f{fragment}/r{round}/{replica}/{signer}/{sha256}`) and how to
     decode it. All of it is covered by the signature."""
 
     run_id: str
@@ -526,9 +531,16 @@ def decode_fragment(
     if trusted is not None and signer not in trusted:
         raise UntrustedFragmentSigner(f"fragment signed by {peer_id_of(signer)}, which is not a trusted key")
     try:
-        hd = msgpack.unpackb(bytes(buf[_FRAME.size : p_at]), raw=False, strict_map_key=True)
-    except Exception as e:  # msgpack raises several unrelated types on garbage
-        raise FragmentError(f"fragment header is not valid msgpack ({e})") from e
+        hd = unpack_bounded(
+            buf[_FRAME.size : p_at],
+            "fragment header",
+            max_bytes=MAX_HEADER_BYTES,
+            max_values=_MAX_HEADER_VALUES,
+            max_containers=_MAX_HEADER_CONTAINERS,
+            max_depth=3,
+        )
+    except SchemaError as e:
+        raise FragmentError(str(e)) from e
     if isinstance(hd, dict) and hd.get("codec_version") != CODEC_VERSION:
         raise FragmentVersionError(
             f"fragment codec version {hd.get('codec_version')!r}, this build speaks {CODEC_VERSION}; "

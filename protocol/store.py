@@ -6,7 +6,10 @@ boto3 does the protocol; this adds byte accounting, conditional writes for the c
 
 from __future__ import annotations
 
+import builtins
+import os
 import threading
+from collections.abc import Callable
 from dataclasses import dataclass
 from urllib.parse import urlsplit
 
@@ -14,6 +17,11 @@ import boto3
 import boto3.session
 import botocore.config
 import botocore.exceptions
+import s3transfer.exceptions
+import urllib3.exceptions
+from boto3.s3.transfer import TransferConfig, create_transfer_manager
+from s3transfer.manager import TransferManager
+from s3transfer.subscribers import BaseSubscriber
 
 
 class StoreError(RuntimeError):
@@ -22,6 +30,33 @@ class StoreError(RuntimeError):
 
 class ObjectTooLarge(StoreError):
     """An object is larger than the caller's bound for it; it was not downloaded."""
+
+
+DEFAULT_PART_BYTES = 64 << 20
+"""Multipart threshold and part size for file transfers: a 5 GB stage goes up in 75 parts."""
+MIN_PART_BYTES = 5 << 20
+"""S3's (and R2's, and moto's) smallest part but the last."""
+
+
+def check_part_bytes(part_bytes: int) -> None:
+    if part_bytes < MIN_PART_BYTES:
+        raise ValueError(
+            f"part_bytes={part_bytes} is below S3's {MIN_PART_BYTES}-byte (5 MiB) minimum part size; "
+            "a multipart upload with smaller parts is refused when it completes"
+        )
+
+
+class ObjectChanged(StoreError):
+    """An object was replaced or deleted while it was downloaded; nothing of it is usable."""
+
+
+@dataclass(frozen=True)
+class ObjectInfo:
+    """One version of a stored object, as HEAD reports it."""
+
+    size: int
+    etag: str
+    """Quoted, as S3 returns it; a multipart upload's ends in -<parts>."""
 
 
 @dataclass(kw_only=True, frozen=True)
@@ -158,6 +193,8 @@ class ObjectStore:
             raise self._fail(f"GET {key}", e) from e
         except botocore.exceptions.BotoCoreError as e:
             raise self._fail(f"GET {key}", e) from e
+        except (urllib3.exceptions.HTTPError, OSError) as e:  # the body stalled or broke mid-read
+            raise self._fail(f"GET {key} (reading the body)", e) from e
         self._count(down=len(data))
         return data, str(r["ETag"])
 
@@ -193,3 +230,132 @@ class ObjectStore:
             self.client.delete_object(Bucket=self.bucket, Key=key)
         except (botocore.exceptions.ClientError, botocore.exceptions.BotoCoreError) as e:
             raise self._fail(f"DELETE {key}", e) from e
+
+    # --- large objects (checkpoints): files, multipart, pinned downloads ---------------------------
+
+    def head(self, key: str) -> ObjectInfo | None:
+        """Size and ETag of `key` without its body; None if absent."""
+        try:
+            r = self.client.head_object(Bucket=self.bucket, Key=key)
+        except botocore.exceptions.ClientError as e:
+            if e.response["Error"]["Code"] in ("NoSuchKey", "404", "NotFound"):
+                return None
+            raise self._fail(f"HEAD {key}", e) from e
+        except botocore.exceptions.BotoCoreError as e:
+            raise self._fail(f"HEAD {key}", e) from e
+        return ObjectInfo(size=int(r["ContentLength"]), etag=str(r["ETag"]))
+
+    def list_prefixes(self, prefix: str, delimiter: str = "/") -> builtins.list[str]:
+        """The "folders" directly under `prefix` (S3 CommonPrefixes), each ending in `delimiter`. (The return
+        type says `builtins.list`: in this class `list` is a method.)"""
+        found: list[str] = []
+        try:
+            for page in self.client.get_paginator("list_objects_v2").paginate(
+                Bucket=self.bucket, Prefix=prefix, Delimiter=delimiter
+            ):
+                found.extend(p["Prefix"] for p in page.get("CommonPrefixes", []))
+        except (botocore.exceptions.ClientError, botocore.exceptions.BotoCoreError) as e:
+            raise self._fail(f"LIST {prefix} (delimiter {delimiter!r})", e) from e
+        return found
+
+    def upload_file(
+        self, path: str | os.PathLike[str], key: str, *, part_bytes: int = DEFAULT_PART_BYTES
+    ) -> ObjectInfo:
+        """Stream a local file to `key` with boto3's managed transfer: one PUT below `part_bytes`, else a
+        multipart upload in `part_bytes` parts sent in parallel (S3 takes parts of 5 MiB to 5 GiB, at most
+        10,000; s3transfer grows the parts of a larger file). Returns the stored object's size and ETag (a
+        multipart ETag ends in -<parts>)."""
+        check_part_bytes(part_bytes)
+        progress = _Progress(lambda n: self._count(up=n))
+        try:
+            with create_transfer_manager(self.client, _transfer_config(part_bytes)) as manager:
+                manager.upload(os.fspath(path), self.bucket, key, subscribers=[progress]).result()
+        except (
+            botocore.exceptions.ClientError,
+            botocore.exceptions.BotoCoreError,
+            s3transfer.exceptions.S3UploadFailedError,
+        ) as e:
+            raise self._fail(f"upload of {key}", e) from e
+        info = self.head(key)
+        if info is None:
+            raise StoreError(f"object store {self.cfg.endpoint_url}: {key} is absent right after its upload")
+        return info
+
+    def download_file(
+        self,
+        key: str,
+        path: str | os.PathLike[str],
+        *,
+        version: ObjectInfo | None = None,
+        max_bytes: int | None = None,
+        part_bytes: int = DEFAULT_PART_BYTES,
+    ) -> ObjectInfo | None:
+        """Stream `key` into the file `path` (ranged GETs of `part_bytes` in parallel when large); None if
+        absent. The download is pinned to one version of the object, `version` (from `head`) or what a HEAD
+        finds now: every GET carries If-Match on its ETag, so an object replaced mid-way raises
+        ObjectChanged instead of mixing two versions, and no more than its size is fetched. max_bytes:
+        refuse (ObjectTooLarge) a larger object before fetching any of it."""
+        check_part_bytes(part_bytes)
+        info = version if version is not None else self.head(key)
+        if info is None:
+            return None
+        if max_bytes is not None and info.size > max_bytes:
+            raise ObjectTooLarge(
+                f"object {key} holds {info.size} bytes, over the {max_bytes}-byte bound for it; not downloaded"
+            )
+        subscribers = [_Pin(info), _Progress(lambda n: self._count(down=n))]
+        try:
+            with _PinnedTransferManager(self.client, _transfer_config(part_bytes)) as manager:
+                manager.download(
+                    self.bucket, key, os.fspath(path), {"IfMatch": info.etag}, subscribers
+                ).result()
+        except botocore.exceptions.ClientError as e:
+            if e.response["Error"]["Code"] in ("PreconditionFailed", "412", "NoSuchKey", "404"):
+                raise ObjectChanged(
+                    f"object {key} was replaced or deleted while it was downloaded (ETag {info.etag} is gone)"
+                ) from e
+            raise self._fail(f"download of {key}", e) from e
+        except s3transfer.exceptions.S3DownloadFailedError as e:  # what s3transfer makes of a 412
+            raise ObjectChanged(
+                f"object {key} was replaced while it was downloaded (ETag {info.etag} is gone)"
+            ) from e
+        except (botocore.exceptions.BotoCoreError, s3transfer.exceptions.RetriesExceededError) as e:
+            raise self._fail(f"download of {key}", e) from e
+        got = os.path.getsize(path)
+        if got != info.size:
+            raise ObjectChanged(f"object {key}: downloaded {got} bytes, its HEAD said {info.size}")
+        return info
+
+
+def _transfer_config(part_bytes: int) -> TransferConfig:
+    # "classic": s3transfer in Python on every host (the CRT client, where installed, counts and pins differently)
+    return TransferConfig(
+        multipart_threshold=part_bytes, multipart_chunksize=part_bytes, preferred_transfer_client="classic"
+    )
+
+
+class _PinnedTransferManager(TransferManager):  # type: ignore[misc]
+    """s3transfer sends If-Match on the ranged GETs of a large object by itself; this lets a download pass
+    it for the single GET of a small one too (s3transfer checks extra arguments against this list)."""
+
+    ALLOWED_DOWNLOAD_ARGS = [*TransferManager.ALLOWED_DOWNLOAD_ARGS, "IfMatch"]
+
+
+class _Pin(BaseSubscriber):  # type: ignore[misc]
+    """Gives s3transfer the size and ETag up front: it skips its own HEAD, fetches no more than that size
+    and pins every ranged GET to that ETag."""
+
+    def __init__(self, info: ObjectInfo) -> None:
+        self.info = info
+
+    def on_queued(self, future: object, **kwargs: object) -> None:
+        future.meta.provide_transfer_size(self.info.size)  # type: ignore[attr-defined]
+        future.meta.provide_object_etag(self.info.etag)  # type: ignore[attr-defined]
+
+
+class _Progress(BaseSubscriber):  # type: ignore[misc]
+    def __init__(self, count: Callable[[int], None]) -> None:
+        self.count = count
+
+    def on_progress(self, future: object, bytes_transferred: int, **kwargs: object) -> None:
+        self.count(bytes_transferred)

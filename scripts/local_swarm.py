@@ -181,6 +181,8 @@ class Swarm:
         self.node_env = node_env or {}
         self.nodes: list[Child] = []
         self.health: list[str] = []
+        self.generation = 0
+        """How many times restart() brought the swarm back (log names get a -N suffix)."""
 
     def _spawn(self, name: str, args: list[str], env: dict[str, str] | None = None) -> Child:
         c = Child(name, args, self.out, env)
@@ -188,18 +190,37 @@ class Swarm:
         return c
 
     def start(self, ready_timeout_s: float = 120) -> None:
-        from protocol.identity import Identity
-
         store = self._spawn("store", ["-m", "scripts.embedded_store"])
         self.store_url = store.wait_for(r"STORE (\S+)", ready_timeout_s).group(1)
+        self._start_swarm(ready_timeout_s)
+
+    def restart(self, ready_timeout_s: float = 120) -> dict[str, int | None]:
+        """A whole-swarm restart: stop every process but the store, then start the bootstrap peer, the
+        coordinator and the nodes again with the same key files (the store keeps the runs' state).
+        Returns the exit codes of the graceful stops."""
+        store = self.children[0]
+        codes = {c.name: c.stop() for c in reversed(self.children[1:])}
+        self.children, self.nodes, self.health = [store], [], []
+        self.generation += 1
+        self._start_swarm(ready_timeout_s)
+        return codes
+
+    def _name(self, base: str) -> str:
+        return base if self.generation == 0 else f"{base}-{self.generation}"
+
+    def _start_swarm(self, ready_timeout_s: float) -> None:
+        from protocol.identity import Identity
+
         boot = self._spawn(
-            "bootstrap", ["-m", "node.cli", "bootstrap", "--key-file", str(self.out / "bootstrap.key")]
+            self._name("bootstrap"),
+            ["-m", "node.cli", "bootstrap", "--key-file", str(self.out / "bootstrap.key")],
         )
         self.bootstrap = boot.wait_for(r"BOOTSTRAP (\S+)", ready_timeout_s).group(1)
         self.operator_key_file = self.out / "operator.key"
         self.operator = Identity.load_or_create(self.operator_key_file)
         self.coordinator = self._spawn(
-            "coordinator", ["-m", "coordinator.cli", "serve", *self.swarm_flags(), *self.operator_flags()]
+            self._name("coordinator"),
+            ["-m", "coordinator.cli", "serve", *self.swarm_flags(), *self.operator_flags()],
         )
         for i in range(self.n_nodes):
             self.add_node(i)
@@ -213,7 +234,7 @@ class Swarm:
         if store_url is not None:
             flags[flags.index("--store-endpoint") + 1] = store_url
         node = self._spawn(
-            f"node{i}",
+            self._name(f"node{i}"),
             [
                 "-m",
                 "node.cli",
@@ -243,7 +264,7 @@ class Swarm:
 
     def launch(self, run_toml: Path) -> None:
         c = self._spawn(
-            "launch",
+            self._name("launch"),
             ["-m", "coordinator.cli", "launch", str(run_toml), *self.swarm_flags(), *self.operator_flags()],
         )
         c.wait_for(r"launched run", 120)

@@ -3,7 +3,9 @@
 `python -m scripts.fuzz` runs 100,000 per decoder; docs/reliability.md has the measured figures. Here the
 same script runs 2,000 per decoder, each decoder in its own child process under an address-space cap of its
 baseline + 100 MB, and every decoder must refuse every hostile input with one of its documented error types,
-in under a second, without a MemoryError.
+in under a second, without a MemoryError, and so must it the largest msgpack floods a peer may send it
+(`--flood`). The bounded msgpack walk every decoder uses (protocol/msgpack_limits.py) is checked against
+msgpack itself.
 """
 
 from __future__ import annotations
@@ -18,7 +20,7 @@ from pathlib import Path
 
 import pytest
 
-from protocol.schema import ProtocolError
+from protocol.schema import ProtocolError, SchemaError
 from scripts import fuzz
 
 pytestmark = pytest.mark.slow
@@ -31,16 +33,16 @@ KNOWN_FINDINGS: dict[str, int] = {}
 and reported but not fixed yet. Empty: the random inputs (at most about a megabyte) find none."""
 
 FLOOD_MB = 16
-KNOWN_FLOOD_MEMORY_ERRORS = {"envelope:NodeAdvert", "dense", "dht_validator"}
-"""Known finding (reported for issue 10, not fixed): msgpack turns every byte of untrusted input into a
-Python object before anything bounds their number. An envelope of 16 MiB (its limit; unpacked before the
-signature is checked), a dense fragment of 16 MiB (its limit is 1 GiB) and a DHT value of 4 MiB (one hivemind
-message; the validator hides the MemoryError as an unparsable record) made of empty msgpack arrays go over
-the 100 MB cap. When a fix lands, this test fails until the decoder leaves the set."""
-KNOWN_FLOOD_SLOW = {"sparseloco", "sparseloco_expect"}
-"""Same finding, under the cap: a fragment whose 1 MiB header is empty arrays (parsed before `expect` is
-compared) takes about 1.4 s in a process with torch loaded (cyclic GC passes over a million new lists), so
-no time bound is asserted for these two."""
+FLOOD_OUTCOME = {
+    "frame": "ok",  # the transport reads bytes and parses no msgpack
+    "envelope:NodeAdvert": "SchemaError",
+    "sparseloco": "FragmentError",
+    "sparseloco_expect": "FragmentError",
+    "dense": "SchemaError",
+    "dht_validator": "refused: unparsable (SchemaError)",
+}
+"""The decoders that read msgpack a peer controls (the other envelope kinds share envelope:NodeAdvert's code),
+and how each refuses a flood."""
 
 ACCEPTED = {"ok", "admitted"}
 
@@ -91,18 +93,29 @@ def test_every_decoder_refuses_mutated_valid_inputs_with_its_documented_errors()
 
 
 @pytest.mark.timeout(180)
-def test_a_flood_of_msgpack_containers_at_each_size_limit_is_a_known_finding() -> None:
-    names = ["frame", "envelope:NodeAdvert", "sparseloco", "sparseloco_expect", "dense", "dht_validator"]
+def test_a_flood_of_msgpack_at_each_size_limit_is_refused_fast_under_the_cap() -> None:
+    """msgpack makes one object per input byte and allocates declared lengths up front: a 16 MiB envelope or
+    dense fragment of empty arrays or short strings went over the cap, a 1 MiB fragment header took 1.4 s.
+    Bounded unpacking (protocol/msgpack_limits.py) refuses every flood within a few MB and well under 1 s."""
+    names = list(FLOOD_OUTCOME)
     _, result, log = _run_fuzz("--flood", str(FLOOD_MB), "--decoders", ",".join(names), timeout_s=170)
     decoders = result["decoders"]
+    assert set(decoders) == set(names)
     for name, r in decoders.items():
-        assert "crashed" not in r and not r["bad_exception"], f"{name}: {r}\n{log[-3000:]}"
-        if name not in KNOWN_FLOOD_SLOW | KNOWN_FLOOD_MEMORY_ERRORS:
-            assert r["seconds"] < fuzz.SLOW_S, f"{name}: {r}"
-    assert {name for name, r in decoders.items() if r["memory_error"]} == KNOWN_FLOOD_MEMORY_ERRORS
-    assert decoders["frame"]["flood_bytes"] > FLOOD_MB * 2**20  # a whole 16 MiB frame, read under the cap
-    for name in KNOWN_FLOOD_SLOW:
-        assert decoders[name]["outcome"] == "FragmentError"
+        assert "crashed" not in r, f"{name}: {r}\n{log[-3000:]}"
+        assert set(r["floods"]) == set(fuzz.FLOODS), r
+        for fill, f in r["floods"].items():
+            what = f"{name}, {fill}: {f}"
+            assert not f["memory_error"], f"{what}: went over {r['mem_limit_mb']} MB of address space"
+            assert not f["bad_exception"] and f["outcome"] == FLOOD_OUTCOME[name], what
+            assert f["seconds"] < fuzz.SLOW_S, what
+            # at most the two copies of a dense fragment's 16 MiB payload (unpacked, then signed) + a few MB
+            assert f["peak_alloc_mb"] < 40, what
+    assert result["clean"]
+    # each flood is as large as the decoder lets a peer send
+    assert all(f["bytes"] > FLOOD_MB * 2**20 for f in decoders["frame"]["floods"].values())
+    assert all(f["bytes"] > FLOOD_MB * 2**20 - 256 for f in decoders["dense"]["floods"].values())
+    assert all(f["bytes"] > 4 * 2**20 - 256 for f in decoders["envelope:NodeAdvert"]["floods"].values())
 
 
 def test_each_input_is_rebuilt_alike_from_its_index() -> None:
@@ -146,3 +159,98 @@ def test_the_harness_counts_undocumented_errors_and_memory_errors(monkeypatch) -
     assert found == {"TypeError", "MemoryError"}
     example = next(f for f in r["findings"] if f["exception"] == "TypeError")
     assert example["hex"] == "01" and "not a documented error" in example["traceback"]
+
+
+# ---- bounded msgpack decoding (protocol/msgpack_limits.py) ---------------------------------------------
+
+
+def _unpack_or_error(data: bytes) -> tuple[object, str | None, object, str | None]:
+    """(msgpack's result, msgpack's error, unpack_bounded's result, its error) for the same input."""
+    import msgpack
+
+    from protocol.msgpack_limits import unpack_bounded
+
+    ref = got = ref_err = err = None
+    try:
+        ref = msgpack.unpackb(data, raw=False, strict_map_key=True)
+    except Exception as e:
+        ref_err = f"{type(e).__name__}: {e}"
+    try:
+        got = unpack_bounded(data, "input", max_bytes=len(data), max_values=10**6)
+    except SchemaError as e:
+        err = str(e)
+    return ref, ref_err, got, err
+
+
+def test_bounded_unpacking_decodes_what_msgpack_decodes() -> None:
+    """Valid envelopes, message bodies and fragment headers, and thousands of mutations of them: the same
+    value as msgpack.unpackb (compared packed, so NaN equals NaN), or an error from both (extension types and
+    nesting deeper than MAX_DEPTH: from ours only)."""
+    import msgpack
+
+    seeds = []
+    for make in (lambda: fuzz.EnvelopeTarget("Assignment"), lambda: fuzz.EnvelopeTarget("NodeAdvert")):
+        for wire in make().seeds():
+            seeds += [wire, msgpack.unpackb(wire)["payload"]]
+    seeds += [fuzz.pack(h) for h in fuzz.SparseLoCoTarget(expect=False).headers]
+    seeds += [fuzz.pack(v) for v in fuzz._INTERESTING]
+    objs = [msgpack.unpackb(s) for s in seeds if b"\x91" * 600 not in s]  # Deep(5000): beyond msgpack
+    pool = [v for o in objs for v in fuzz._values(o, [])]
+    rng = random.Random(0)
+    agreed = refused = 0
+    for i in range(6000):
+        seed = seeds[i % len(seeds)]
+        if i >= len(seeds) and i % 2:  # a structural edit: still msgpack, hostile in shape
+            data = fuzz.pack(fuzz.mutate_obj(rng.choice(objs), rng, pool))
+        elif i >= len(seeds):
+            data = fuzz.mutate_bytes(seed, rng)
+        else:
+            data = seed
+        ref, ref_err, got, err = _unpack_or_error(data)
+        if ref_err is None and err is None:
+            assert fuzz.pack(got) == fuzz.pack(ref), data.hex()[:200]
+            agreed += 1
+        elif err is not None and ("not a msgpack type this protocol uses" in err or "nested deeper" in err):
+            continue  # an extension type (or 0xc1); over MAX_DEPTH levels
+        else:
+            assert (ref_err is None) == (err is None), (data.hex()[:200], ref_err, err)
+            refused += 1
+    assert agreed > 2000 and refused > 1000, (agreed, refused)
+
+
+def test_bounded_unpacking_refuses_each_bound_before_it_allocates() -> None:
+    import tracemalloc
+
+    import msgpack
+
+    from protocol.msgpack_limits import unpack_bounded
+
+    def refused(data: bytes, match: str, **bounds: int) -> None:
+        with pytest.raises(SchemaError, match=match):
+            unpack_bounded(data, "input", **{"max_bytes": len(data), "max_values": 100, **bounds})
+
+    nested = msgpack.packb({"a": [[1, 2], [3]], "b": {"c": "d"}})  # 12 values, 5 containers, 3 levels
+    assert unpack_bounded(
+        nested, "input", max_bytes=len(nested), max_values=12, max_containers=5, max_depth=3
+    )
+    refused(nested, "bytes exceeds the 10-byte limit", max_bytes=10)
+    refused(nested, "more than 11 msgpack values", max_values=11)
+    refused(nested, "more than 4 msgpack arrays and maps", max_containers=4)
+    refused(nested, "nested deeper than 2 level", max_depth=2)
+    refused(nested[:-1], "truncated")
+    refused(nested + b"\x00", "1 bytes after the msgpack value")
+    refused(msgpack.packb({1: 2}), "map key 1 is not a string")
+    refused(msgpack.packb(msgpack.ExtType(1, b"x")), "byte 0xd4 at 0 is not a msgpack type")
+    refused(b"\xa2\xff\xfe", "not valid msgpack .UnicodeDecodeError")
+    # arrays that declare 65,535 elements each, nested 30 deep then cut short: msgpack's C unpacker allocates
+    # room for their elements up front (in an input of 64 KB or more), the bounded walk a few empty lists
+    declared = fuzz.declared(200_000)[: 3 * 30] + b"\xc0"
+    tracemalloc.start()
+    try:
+        refused(declared, "truncated", max_bytes=200_000, max_values=10**6, max_depth=32)
+        peak = tracemalloc.get_traced_memory()[1]
+    finally:
+        tracemalloc.stop()
+    assert peak < 200_000
+    # a megabyte of empty arrays: refused after a thousand lists
+    refused(fuzz.containers(2**20), "more than 1000 msgpack values", max_bytes=2**20, max_values=1000)

@@ -18,7 +18,9 @@ from node.aggregation import AggregationConfig, aggregate
 from node.outer_sync import FragmentId, OuterSync
 from node.sparseloco_sync import SparseLoCoCodec, make_aggregator, make_sync_parts
 from protocol import keys
+from protocol.envelope import open_envelope, seal
 from protocol.identity import Identity
+from protocol.messages import RoundRecord
 from protocol.runspec import RunSpec, SyncSpec
 from protocol.sparseloco import SparseLoCoConfig
 from protocol.sparseloco_format import (
@@ -28,7 +30,7 @@ from protocol.sparseloco_format import (
 )
 from protocol.store import ObjectStore, StoreConfig
 from tests.fault_proxy import FaultProxy
-from tests.fragment_faults import KINDS, corrupt, valid_blob
+from tests.fragment_faults import KINDS, MALLORY, corrupt, valid_blob
 
 pytestmark = pytest.mark.timeout(60)
 
@@ -474,3 +476,79 @@ def test_sync_spec_and_factory() -> None:
     ]:
         with pytest.raises(ValueError, match=what):
             SyncSpec(**bad)  # type: ignore[arg-type]
+
+
+def test_replicas_with_different_deadlines_apply_the_same_set(
+    store: ObjectStore, closer: list[OuterSync]
+) -> None:
+    """Issue 11 acceptance 2: replica 0 gives up on replica 2 after 1 s, replica 1 would wait 20 s, and
+    replica 2's fragment arrives after 3 s. Each used to aggregate what it had seen by its own deadline
+    (replica 1 with replica 2's fragment, replica 0 without): the anchors diverged. Now replica 0, the
+    first to settle, writes the round's record; replica 1 adopts it before the late fragment arrives, both
+    apply {0, 1}, and the anchors are bit-identical. The next round, with everyone in time, uses all
+    three."""
+    import threading
+
+    H = 2
+    run_id, syncs = make_replicas(store, SHAPES, R=2, H=H, expected=3)
+    closer.extend(syncs)
+    syncs[0].timeout_s, syncs[1].timeout_s = 1.0, 20.0
+    late = valid_blob(IDS[2], FragmentId(run_id, 0, 0, 0, 2), SHAPES, CFG)[0]
+    timer = threading.Timer(3.0, plant, (store, run_id, 0, 2, late))
+    timer.start()
+    try:
+        for _ in lockstep(syncs, range(1, H + 1)):
+            pass
+    finally:
+        timer.cancel()
+    assert [s.stats.last_contributors for s in syncs] == [[0, 1], [0, 1]]
+    assert_same_anchors(syncs)
+    rec = store.get(keys.round_record_key(run_id, 0, 0, 0))
+    assert rec is not None
+    signed = open_envelope(rec, RoundRecord)
+    assert signed.signer_id == IDS[0].peer_id  # replica 0 settled first
+    assert [(e.replica, e.signer) for e in signed.body.entries] == [(0, IDS[0].peer_id), (1, IDS[1].peer_id)]
+    # the next round: replica 2's fragment is there before anyone settles; all three are used
+    plant(store, run_id, 1, 2, valid_blob(IDS[2], FragmentId(run_id, 0, 0, 1, 2), SHAPES, CFG)[0])
+    for _ in lockstep(syncs, range(H + 1, 2 * H + 1)):
+        pass
+    assert [s.stats.last_contributors for s in syncs] == [[0, 1, 2], [0, 1, 2]]
+    assert_same_anchors(syncs)
+
+
+def test_a_late_replica_adopts_the_record_and_its_own_fragment_goes_back(
+    store: ObjectStore, closer: list[OuterSync]
+) -> None:
+    """A replica that reaches rounds after the others settled them (late, or rebuilt and replaying)
+    applies each record's set, fetching what it lacks; its own fragments, not in the records, return to
+    its error feedback; its anchor is the others' bit for bit."""
+    H = 2
+    _, syncs = make_replicas(store, SHAPES, R=3, H=H)
+    closer.extend(syncs)
+    early, late = syncs[:2], syncs[2]
+    for s in early:
+        s.timeout_s = 1.0
+    for _ in lockstep(early, range(1, 2 * H + 1)):
+        pass
+    assert [s.stats.last_contributors for s in early] == [[0, 1], [0, 1]]
+    for _ in lockstep([late], range(1, 2 * H + 1)):
+        pass
+    assert late.stats.last_contributors == [0, 1] and late.stats.rounds_applied == 2
+    assert late.stats.not_uploaded == 2 and late.stats.missing == 0
+    for a, b in zip(early[0].anchor, late.anchor, strict=True):
+        assert torch.equal(a, b)
+
+
+def test_a_record_a_stranger_signed_is_not_adopted(store: ObjectStore, closer: list[OuterSync]) -> None:
+    """A record at the round's key signed by a node that serves no slot of the stage (here listing no
+    fragment at all) is rejected; the replicas cannot write theirs there and apply their own views."""
+    H = 2
+    run_id, syncs = make_replicas(store, SHAPES, R=2, H=H)
+    closer.extend(syncs)
+    forged = RoundRecord(run_id=run_id, stage=0, fragment=0, round=0, entries=[])
+    store.put(keys.round_record_key(run_id, 0, 0, 0), seal(MALLORY, forged))
+    for _ in lockstep(syncs, range(1, H + 1)):
+        pass
+    assert [s.stats.last_contributors for s in syncs] == [[0, 1], [0, 1]]
+    assert all(s.stats.rejected == 1 for s in syncs)
+    assert_same_anchors(syncs)

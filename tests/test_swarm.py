@@ -15,9 +15,12 @@ from pathlib import Path
 import pytest
 import torch
 
+from coordinator.export import consensus_states
 from node.model import build_stage
 from node.outer_sync import FragmentId
 from node.sparseloco_sync import SparseLoCoCodec
+from node.subspace_model import constrain_stage
+from node.worker import weights_digest
 from protocol import keys
 from protocol.dht_client import DHTClient, dht_time
 from protocol.envelope import seal
@@ -29,6 +32,7 @@ from protocol.sparseloco_format import ratio
 from protocol.store import ObjectStore, StoreConfig
 from scripts.local_swarm import Swarm
 from tests.fragment_faults import corrupt
+from tests.test_export import hf_logits, pipeline_logits, sample_tokens
 
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(600)]
 
@@ -86,7 +90,9 @@ def swarm(tmp_path_factory):
         assert not bad, f"processes did not exit cleanly: {bad}"
 
 
-def test_two_outer_rounds_identical_consensus(swarm: Swarm, tmp_path: Path) -> None:
+def test_two_outer_rounds_identical_consensus(
+    swarm: Swarm, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
     toml = tmp_path / "run.toml"
     toml.write_text(RUN_TOML.format(run_id="swarm-a", steps=10, H=5, timeout=60))
     swarm.launch(toml)
@@ -113,6 +119,43 @@ def test_two_outer_rounds_identical_consensus(swarm: Swarm, tmp_path: Path) -> N
         assert len(m["val_history"]) == 3
         assert m["val_history"][-1][1] < m["val_history"][0][1]
     assert all(m["bytes_store_up"] > 0 and m["bytes_pipe_sent"] > 0 for m in ms)
+
+    # issue 11 acceptance 5: the consensus, exported from the store's checkpoints as a Hugging Face Llama
+    # folder, is the model the swarm reports (same digests) and gives its logits within 1e-4
+    out = tmp_path / "hf"
+    ex = subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "coordinator.cli",
+            "export",
+            "swarm-a",
+            "--out",
+            str(out),
+            "--operator-key",
+            swarm.operator.peer_id,
+            "--store-endpoint",
+            swarm.store_url,
+        ],
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
+    assert ex.returncode == 0 and "round 2" in ex.stdout, ex.stdout + ex.stderr
+    store = ObjectStore(StoreConfig(endpoint_url=swarm.store_url, bucket="crucible"))
+    spec, rnd, states = consensus_states(store, "swarm-a", {swarm.operator.public_key})
+    stages = []
+    for s, state in enumerate(states):
+        stage = build_stage(spec.model, spec.layer_ranges(), s)
+        constrain_stage(stage, spec.model, spec.pipeline, spec.layer_ranges(), s)
+        stage.load_state_dict(state)
+        assert weights_digest(stage) == {m["weights_sha256"] for m in ms if m["stage"] == s}.pop()
+        stages.append(stage.eval())
+    monkeypatch.setenv("HF_HUB_OFFLINE", "1")
+    monkeypatch.setenv("TRANSFORMERS_OFFLINE", "1")
+    tokens = sample_tokens(spec)
+    diff = (hf_logits(out, tokens) - pipeline_logits(spec, stages, tokens)).abs().max().item()
+    assert diff <= 1e-4, diff
 
     # the store holds the run under its own prefix, listable by an ordinary S3 client (awscli)
     env = dict(
@@ -356,10 +399,19 @@ def _slot_index(swarm: Swarm, run_id: str, replica: int, stage: int) -> int:
 
 
 def test_lost_node_is_replaced_and_its_replica_resumes(swarm: Swarm, tmp_path: Path) -> None:
+    """Issue 11 acceptance 1: SparseLoCo with P = 2 fragments and tau = 1; replica 1's last stage is
+    killed, a spare node takes its place, and replica 1 resumes from its checkpoint (the new node reads
+    its predecessor's, signed by the node it replaces). Replaying the rounds replica 0 already settled, it
+    applies the same agreed sets, so for every round both replicas checkpointed, the anchors of each
+    stage are bit-identical (`anchor_history` in /status), from the first round after it rejoined."""
     spare = swarm.add_node(4)
     swarm.health.append(spare.wait_for(r"health=(\S+)/health", 120).group(1))
     toml = tmp_path / "run.toml"
-    toml.write_text(RUN_TOML.format(run_id="swarm-b", steps=60, H=5, timeout=30))
+    toml.write_text(
+        RUN_TOML.format(run_id="swarm-b", steps=60, H=5, timeout=30).replace(
+            'method = "diloco"', 'method = "sparseloco"\nP = 2\ntau = 1'
+        )
+    )
     swarm.launch(toml)
     wait_until(
         lambda: (m := run_metrics(swarm, "swarm-b")) and len(m) == 4 and min(x["step"] for x in m) >= 8,
@@ -384,6 +436,13 @@ def test_lost_node_is_replaced_and_its_replica_resumes(swarm: Swarm, tmp_path: P
     replacement = swarm.statuses()[idle]["metrics"]
     assert replacement["run_id"] == "swarm-b" and (replacement["replica"], replacement["stage"]) == (1, 1)
     assert "rebuilding replica(s) [1]" in swarm.coordinator.log_text()
+    assert "resumes from round" in swarm.nodes[idle].log_text()  # from the predecessor's checkpoint
+    rejoined = min(r for r, _ in replacement["anchor_history"])
+    for st in (0, 1):
+        hist = {m["replica"]: dict(map(tuple, m["anchor_history"])) for m in ms if m["stage"] == st}
+        common = sorted(set(hist[0]) & set(hist[1]))
+        assert common and min(common) <= rejoined + 1, (st, common, rejoined)
+        assert all(hist[0][r] == hist[1][r] for r in common), f"stage {st}: anchors differ"
 
 
 def test_without_spares_a_crashed_replica_drops_out_and_stop_works(swarm: Swarm, tmp_path: Path) -> None:
@@ -416,7 +475,8 @@ def test_without_spares_a_crashed_replica_drops_out_and_stop_works(swarm: Swarm,
         int(r)
         for i in alive
         for r in re.findall(
-            r"round (\d+) fragment 0: replicas \[1\] did not arrive", swarm.nodes[i].log_text()
+            r"run swarm-c stage \d round (\d+) fragment 0: replicas \[1\] did not arrive",
+            swarm.nodes[i].log_text(),
         )
     }
     assert missed and min(missed) <= step_at_kill // 5 + 1, (missed, step_at_kill)
@@ -481,7 +541,8 @@ def test_a_replica_killed_right_after_its_upload_is_consumed_then_missed(
     missed = {
         int(r)
         for r in re.findall(
-            r"round (\d+) fragment 0: replicas \[1\] did not arrive", swarm.nodes[r0s0].log_text()
+            r"run swarm-k stage 0 round (\d+) fragment 0: replicas \[1\] did not arrive",
+            swarm.nodes[r0s0].log_text(),
         )
     }
     assert missed and min(missed) > 2, missed  # round 2 consumed; the rounds after the kill missing

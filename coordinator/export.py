@@ -1,0 +1,274 @@
+"""Export a run's consensus as a Hugging Face Llama checkpoint: `model.safetensors` + `config.json`.
+
+The stages of the consensus (one state dict per stage, as `node.model.build_stage(...).state_dict()`
+names them) are merged into the parameters of `transformers.LlamaForCausalLM`, which loads the folder
+offline. Nothing here imports `transformers`: the export runs on coordinator hosts without it.
+
+What the crucible model computes that HF Llama does not, and how it is folded (DESIGN section 4,
+Subspace Networks, arXiv 2506.01260):
+
+    first stage:   h_0   = E[x] + T[x]                  -> embed_tokens = E + T
+    boundary b:    X_hat = (X - T[x]) U_b U_b^T + T[x]  -> identity, once every residual writer lies in
+                                                           span(U_k) (E and each attn.wo / mlp.w_down)
+    RoPE:          interleaved pairs (q_{2i}, q_{2i+1})  -> half-split pairs (q_i, q_{i+hd/2}) of
+                                                           `rotate_half`: permute the rows of wq, wk
+
+T is regenerated from the run's projection seed (`protocol.subspace.token_table`). The boundary map is
+token-dependent and rank-k_b, so HF Llama cannot express it in general; it is the identity exactly when
+X - T[x] = E[x] + sum of writer outputs lies in span(U_b), which the swarm maintains by projecting every
+constrained writer after each inner and outer step and on loading a checkpoint (`project_weights_`). The
+export applies that same projection (W <- U_k U_k^T W, E <- E U_k U_k^T, idempotent on a consensus) and
+refuses weights that lie far off the span: those come from another run spec (link_k, projection_seed).
+
+Permutation: with hd the head width, head h's rows are reordered to
+`h*hd + [0, 2, ..., hd-2, 1, 3, ..., hd-1]`. Then HF's first half holds the even components, the second
+the odd ones, and rotate_half's pair (i, i + hd/2) with frequency theta^(-2i/hd) is crucible's pair
+(2i, 2i+1) with the same frequency. q.k is unchanged (q and k permuted alike); v and wo are untouched.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+from pathlib import Path
+
+import torch
+from safetensors.torch import save_file
+
+from protocol import keys
+from protocol.checkpoint import CheckpointRefused, list_rounds, read_round
+from protocol.envelope import open_envelope
+from protocol.identity import public_key_of_peer_id
+from protocol.messages import RunRecord
+from protocol.runspec import RunSpec
+from protocol.store import ObjectStore
+from protocol.subspace import basis, subspace_plan, token_table
+
+RMS_NORM_EPS = 1e-6
+"""node/model.py's RMSNorm epsilon (its default; the model never passes another)."""
+OFF_SPAN_TOL = 1e-3
+"""Largest ||W - U_k U_k^T W|| / ||W|| a constrained weight may have before the export refuses it. A
+consensus is projected after every step (off-span ~1e-7, fp32 rounding); weights of another projection
+seed or link_k are ~sqrt(1 - k/d) off the span."""
+
+# crucible name (within layers.{i}.) -> HF name (within model.layers.{i}.)
+LAYER_NAMES = {
+    "attn_norm.weight": "input_layernorm.weight",
+    "attn.wq.weight": "self_attn.q_proj.weight",
+    "attn.wk.weight": "self_attn.k_proj.weight",
+    "attn.wv.weight": "self_attn.v_proj.weight",
+    "attn.wo.weight": "self_attn.o_proj.weight",
+    "mlp_norm.weight": "post_attention_layernorm.weight",
+    "mlp.w_gate.weight": "mlp.gate_proj.weight",
+    "mlp.w_up.weight": "mlp.up_proj.weight",
+    "mlp.w_down.weight": "mlp.down_proj.weight",
+}
+TOP_NAMES = {
+    "embed.weight": "model.embed_tokens.weight",
+    "norm.weight": "model.norm.weight",
+    "head.weight": "lm_head.weight",
+}
+
+
+def expected_shapes(spec: RunSpec, stage: int) -> dict[str, tuple[int, ...]]:
+    """Parameter name -> shape of stage `stage` of `spec`, as build_stage names them (global layer ids)."""
+    m = spec.model
+    d, f, V = m.d_model, m.d_ff, m.vocab
+    ranges = spec.layer_ranges()
+    start, end = ranges[stage]
+    per_layer = {
+        "attn_norm.weight": (d,),
+        "attn.wq.weight": (d, d),
+        "attn.wk.weight": (d, d),
+        "attn.wv.weight": (d, d),
+        "attn.wo.weight": (d, d),
+        "mlp_norm.weight": (d,),
+        "mlp.w_gate.weight": (f, d),
+        "mlp.w_up.weight": (f, d),
+        "mlp.w_down.weight": (d, f),
+    }
+    shapes: dict[str, tuple[int, ...]] = {}
+    if stage == 0:
+        shapes["embed.weight"] = (V, d)
+    for layer in range(start, end):
+        shapes.update({f"layers.{layer}.{name}": shape for name, shape in per_layer.items()})
+    if stage == len(ranges) - 1:
+        shapes["norm.weight"] = (d,)
+        shapes["head.weight"] = (V, d)
+    return shapes
+
+
+def merge_stages(spec: RunSpec, stage_states: list[dict[str, torch.Tensor]]) -> dict[str, torch.Tensor]:
+    """The stages' state dicts -> one dict of crucible names, float32 on the CPU; every name, shape and
+    value checked (a missing, extra, misshapen or non-finite tensor raises ValueError saying which)."""
+    if len(stage_states) != spec.stages:
+        raise ValueError(
+            f"got {len(stage_states)} stage state dicts, run {spec.run_id} has {spec.stages} stages (0..S-1)"
+        )
+    merged: dict[str, torch.Tensor] = {}
+    for s, state in enumerate(stage_states):
+        want = expected_shapes(spec, s)
+        missing, extra = sorted(want.keys() - state.keys()), sorted(state.keys() - want.keys())
+        if missing or extra:
+            raise ValueError(
+                f"stage {s} state dict does not match layers {spec.layer_ranges()[s]} of run {spec.run_id}: "
+                f"missing {missing[:5]}, unexpected {extra[:5]} (is it another run's or another stage's?)"
+            )
+        for name, shape in want.items():
+            t = state[name]
+            if tuple(t.shape) != shape:
+                raise ValueError(
+                    f"stage {s} tensor {name} has shape {tuple(t.shape)}, the run spec says {shape}"
+                )
+            t = t.detach().to("cpu", torch.float32)
+            if not torch.isfinite(t).all():
+                raise ValueError(f"stage {s} tensor {name} holds NaN or inf: the consensus diverged")
+            merged[name] = t
+    return merged
+
+
+def residual_spans(spec: RunSpec) -> tuple[int | None, dict[int, int]]:
+    """(embed_k, write_k): E's rows lie in span(U[:, :embed_k]), layer l's wo / w_down outputs in
+    span(U[:, :write_k[l]]); (None, {}) when every link is dense (protocol.subspace.subspace_plan)."""
+    plan = subspace_plan(spec.model, spec.pipeline, spec.layer_ranges())
+    return plan.embed_k, dict(plan.write_k)
+
+
+def _project(name: str, W: torch.Tensor, U_k: torch.Tensor, rows: bool, seed: int) -> torch.Tensor:
+    """W <- U U^T W (a Linear writing the residual) or E <- E U U^T (embedding rows); checks the drift."""
+    P = (W @ U_k) @ U_k.T if rows else U_k @ (U_k.T @ W)
+    off = float((W - P).norm() / W.norm().clamp_min(1e-30))
+    if off > OFF_SPAN_TOL:
+        raise ValueError(
+            f"{name} is {off:.1%} outside span(U[:, :{U_k.shape[1]}]) of projection_seed "
+            f"{seed}: these weights were not trained with this run spec's pipeline.link_k / "
+            "projection_seed (a consensus lies in the span to ~1e-7)"
+        )
+    return P
+
+
+def fold_to_llama(spec: RunSpec, state: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+    """Crucible parameters (merged, float32) -> LlamaForCausalLM's state dict (see the module docstring)."""
+    m = spec.model
+    d, hd = m.d_model, m.d_model // m.n_heads
+    state = dict(state)
+    embed_k, write_k = residual_spans(spec)
+    if embed_k is not None:
+        seed = spec.pipeline.projection_seed
+        U = basis(d, max(write_k.values()), seed)  # (d, k_max); nested: U[:, :k] is the basis of width k
+        for layer, k in write_k.items():
+            for writer in ("attn.wo.weight", "mlp.w_down.weight"):
+                name = f"layers.{layer}.{writer}"
+                state[name] = _project(name, state[name], U[:, :k], rows=False, seed=seed)
+        E = _project("embed.weight", state["embed.weight"], U[:, :embed_k], rows=True, seed=seed)  # (V, d)
+        state["embed.weight"] = E + token_table(m.vocab, d, seed, embed_k)  # h_0 = E[x] + T[x]
+    # interleaved RoPE pairs -> rotate_half's halves, per head: rows h*hd + [0, 2, .., 1, 3, ..]
+    within = torch.cat((torch.arange(0, hd, 2), torch.arange(1, hd, 2)))  # (hd,)
+    perm = (torch.arange(m.n_heads)[:, None] * hd + within).reshape(-1)  # (d,)
+    out: dict[str, torch.Tensor] = {}
+    for name, t in state.items():
+        if name.startswith("layers."):
+            _, i, rest = name.split(".", 2)
+            if rest in ("attn.wq.weight", "attn.wk.weight"):
+                t = t[perm]
+            out[f"model.layers.{i}.{LAYER_NAMES[rest]}"] = t.contiguous()
+        else:
+            out[TOP_NAMES[name]] = t.contiguous()
+    return out
+
+
+def llama_config(spec: RunSpec) -> dict[str, object]:
+    """config.json for LlamaConfig: no GQA, no biases, untied head, byte vocabulary (no special tokens).
+    RoPE's base is written both as `rope_theta` (transformers 4.x) and `rope_parameters` (5.x)."""
+    m = spec.model
+    return {
+        "architectures": ["LlamaForCausalLM"],
+        "model_type": "llama",
+        "vocab_size": m.vocab,
+        "hidden_size": m.d_model,
+        "intermediate_size": m.d_ff,
+        "num_hidden_layers": m.n_layers,
+        "num_attention_heads": m.n_heads,
+        "num_key_value_heads": m.n_heads,
+        "head_dim": m.d_model // m.n_heads,
+        "max_position_embeddings": m.seq_len,
+        "rms_norm_eps": RMS_NORM_EPS,
+        "rope_theta": m.rope_theta,
+        "rope_parameters": {"rope_type": "default", "rope_theta": m.rope_theta},
+        "hidden_act": "silu",
+        "attention_bias": False,
+        "mlp_bias": False,
+        "tie_word_embeddings": False,
+        "bos_token_id": None,
+        "eos_token_id": None,
+        "pad_token_id": None,
+        "torch_dtype": "float32",
+        "dtype": "float32",
+    }
+
+
+def export_llama(spec: RunSpec, stage_states: list[dict[str, torch.Tensor]], out_dir: Path) -> None:
+    """Merge the consensus stages of `spec` into `out_dir`/model.safetensors + config.json (float32), loadable
+    offline with `transformers.LlamaForCausalLM.from_pretrained(out_dir)`. Each file is written to a
+    temporary name first and renamed, so a reader never sees half a checkpoint."""
+    tensors = fold_to_llama(spec, merge_stages(spec, stage_states))
+    out_dir = Path(out_dir)
+    out_dir.mkdir(parents=True, exist_ok=True)
+    meta = {"format": "pt", "crucible_run_id": spec.run_id}
+    tmp = out_dir / "model.safetensors.tmp"
+    save_file(tensors, str(tmp), metadata=meta)
+    os.replace(tmp, out_dir / "model.safetensors")
+    tmp = out_dir / "config.json.tmp"
+    tmp.write_text(json.dumps(llama_config(spec), indent=2) + "\n")
+    os.replace(tmp, out_dir / "config.json")
+
+
+# --- from the store: the consensus of a round, verified --------------------------------------------
+def stage_state(tensors: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+    """A stage's consensus state dict from a checkpoint: the module's entries ("model.*"), parameters
+    replaced by the consensus anchor ("anchor.*", without the replica's local drift)."""
+    state = {k[len("model.") :]: v for k, v in tensors.items() if k.startswith("model.")}
+    state.update({k[len("anchor.") :]: v for k, v in tensors.items() if k.startswith("anchor.")})
+    return state
+
+
+def consensus_states(
+    store: ObjectStore, run_id: str, operator: set[bytes], rnd: int | None = None
+) -> tuple[RunSpec, int, list[dict[str, torch.Tensor]]]:
+    """(spec, round, per-stage consensus state) of `run_id` at round `rnd` (default: the newest round
+    every stage checkpointed). The spec must be signed by the operator; checkpoints by a node the
+    operator's coordinators assigned to the run (the archived assignments, earlier nodes included).
+    Any replica's checkpoint of a stage will do: the anchors are the same. Raises ValueError naming what
+    is missing."""
+    from coordinator.service import read_archive  # the coordinator's reading of its own archive
+
+    blob = store.get(keys.spec_key(run_id), max_bytes=1 << 20)
+    if blob is None:
+        raise ValueError(f"no run {run_id!r} in the store (no {keys.spec_key(run_id)}); check the run id")
+    spec = open_envelope(blob, RunRecord, operator).body.spec
+    assigned = read_archive(store, spec, operator) or []
+    peers = {a.peer_id for a in assigned} | {
+        p for a in assigned for ps in a.former_stage_peers.values() for p in ps
+    }
+    signers = {public_key_of_peer_id(p) for p in peers}
+    rounds = [rnd] if rnd is not None else sorted(list_rounds(store, run_id), reverse=True)
+    why = []
+    for r in rounds:
+        states = []
+        for stage in range(spec.stages):
+            for replica in range(spec.replicas):
+                try:
+                    ck = read_round(
+                        store, run_id=run_id, stage=stage, replica=replica, round=r, trusted=signers
+                    )
+                except CheckpointRefused as e:
+                    why.append(f"round {r} stage {stage} replica {replica}: {e}")
+                    continue
+                states.append(stage_state(ck.tensors))
+                break
+            else:
+                break
+        if len(states) == spec.stages:
+            return spec, r, states
+    detail = "; ".join(why[-4:]) or "no checkpoints"
+    raise ValueError(f"run {run_id}: no round with a valid checkpoint of every stage ({detail})")

@@ -99,7 +99,8 @@ def try_acquire(
         found = store.get_with_etag(key, max_bytes=MAX_LEASE_BYTES)
     except ObjectTooLarge as e:
         log.warning("run %s: %s", run_id, e)
-        etag_only = store.head_etag(key)  # an oversized object: overwrite it without reading it
+        info = store.head(key)  # an oversized object: overwrite it without reading it
+        etag_only = None if info is None else info.etag
         found = None if etag_only is None else (b"", etag_only)
     floor = _highest_term(store, run_id)
     if found is None:

@@ -35,7 +35,9 @@ from typing import Protocol
 import torch
 
 from node.aggregation import mean_over_arrivals
+from node.stage_checkpoints import StageCheckpoints
 from protocol import keys
+from protocol.checkpoint import Checkpoint
 from protocol.envelope import open_envelope, seal
 from protocol.identity import Identity
 from protocol.messages import RecordEntry, RoundRecord
@@ -143,8 +145,37 @@ class SyncStats:
     """Round records we wrote (a few hundred bytes per round and fragment; not in bytes_up)."""
 
 
+@dataclass
+class LocalState:
+    """What the round owner checkpoints but does not own: the worker's weights and optimizer."""
+
+    names: list[str]
+    """Parameter names, in the order of OuterSync's params."""
+    tensors: Callable[[], dict[str, torch.Tensor]]
+    """The local weights ("model.*") and optimizer state ("optim.*") now."""
+    load: Callable[[dict[str, torch.Tensor]], None]
+    """Load the optimizer state from a checkpoint's tensors (the weights are loaded before training)."""
+    after_apply: Callable[[], None] = lambda: None
+    """Called after an outer update changed the weights (the subspace links re-project them)."""
+
+
+@dataclass
+class StepOutcome:
+    """What the round owner did after one inner step."""
+
+    applied: list[int]
+    """Fragments whose aggregate was applied."""
+    round_ended: int | None
+    """The round this step ended (every H steps), else None."""
+    checkpointed: int | None
+    """The round whose state was checkpointed at this step, else None."""
+
+
 class OuterSync:
-    """Streaming outer optimiser for one stage worker."""
+    """Streaming outer optimiser for one stage worker: the owner of its rounds. It holds the anchor,
+    outer momentum, the codec's error feedback, the fragment schedule and the round counter; it decides
+    when a round ends and when a checkpoint is due, and writes and restores checkpoints. The worker's
+    loop is "inner step, then `step_done`"."""
 
     def __init__(
         self,
@@ -165,7 +196,12 @@ class OuterSync:
         timeout_s: float = 60.0,
         aggregate: Aggregator = mean_over_arrivals,
         poll_s: float = 0.1,
+        local: LocalState | None = None,
+        checkpoints: StageCheckpoints | None = None,
+        checkpoint_every: int = 1,
     ) -> None:
+        """local and checkpoints: what step_done() checkpoints, every `checkpoint_every` rounds, and
+        where (neither: no checkpoints, as in the benchmarks)."""
         if not 0 <= tau < H or not 0 < P <= H:
             raise ValueError(f"need 0 <= tau < H and 0 < P <= H, got H={H} P={P} tau={tau}")
         self.params = params
@@ -176,6 +212,7 @@ class OuterSync:
         self.H, self.P, self.tau, self.alpha, self.momentum = H, P, tau, alpha, momentum
         self.timeout_s, self.poll_s = timeout_s, poll_s
         self.aggregate = aggregate
+        self.local, self.checkpoints, self.checkpoint_every = local, checkpoints, checkpoint_every
         # strided fragments spread big and small tensors evenly: param i belongs to fragment i % P
         self.fragments = [list(range(f, len(params), P)) for f in range(P)]
         self.q = H // P
@@ -190,6 +227,17 @@ class OuterSync:
     def capture_offset(self, f: int) -> int:
         """c_f = (f + 1) * floor(H / P), in inner steps from the start of the cycle."""
         return (f + 1) * self.q
+
+    def step_done(self, step: int) -> StepOutcome:
+        """The worker's one call after inner step `step` (1-based): capture and apply the fragments due,
+        end the round every H steps, checkpoint when one is due."""
+        applied = self.after_inner_step(step)
+        if applied and self.local is not None:
+            self.local.after_apply()
+        checkpointed = self.checkpoint_due(step, self.checkpoint_every) if self.checkpoints else None
+        if checkpointed is not None:
+            self.save_checkpoint(step, checkpointed)
+        return StepOutcome(applied, self.round_end(step), checkpointed)
 
     def after_inner_step(self, step: int) -> list[int]:
         """Call after inner step `step` (1-based count of completed steps). Returns fragments applied."""
@@ -246,6 +294,25 @@ class OuterSync:
                 m.copy_(state[f"outer_m.{n}"].to(m.device, m.dtype))
         self.codec.load_state({k[len("codec.") :]: v for k, v in state.items() if k.startswith("codec.")})
 
+    def save_checkpoint(self, step: int, rnd: int) -> None:
+        """Everything needed to continue from round `rnd`: the worker's weights and optimizer, our anchor,
+        outer momentum and error feedback; snapshotted now, uploaded in the background."""
+        if self.checkpoints is None or self.local is None:
+            raise RuntimeError("this round owner was built without checkpoints")
+        tensors = self.local.tensors()
+        tensors.update(self.state_tensors(self.local.names))
+        self.checkpoints.write(tensors, step=step, rnd=rnd)
+
+    def restore(self, ck: Checkpoint) -> None:
+        """Anchor, outer momentum, error feedback and the optimizer from `ck`."""
+        if self.local is None:
+            raise RuntimeError("this round owner was built without local state to restore")
+        try:
+            self.load_state_tensors(self.local.names, ck.tensors)
+            self.local.load(ck.tensors)
+        except KeyError as e:
+            raise RuntimeError(f"checkpoint of round {ck.round} lacks {e}: written by an older build?") from e
+
     def anchor_digest(self) -> str:
         """sha256 of the consensus anchor's bytes (equal on every replica after the same rounds)."""
         h = hashlib.sha256()
@@ -259,6 +326,11 @@ class OuterSync:
             self._apply(p)
         self._pending.clear()
         self._io.shutdown(wait=True)
+
+    def close(self) -> None:
+        """Wait for a checkpoint upload in flight (the run ended or was stopped)."""
+        if self.checkpoints is not None:
+            self.checkpoints.join()
 
     # --- phases -----------------------------------------------------------------------------------
     def _capture(self, f: int, rnd: int, step: int) -> None:
@@ -304,6 +376,8 @@ class OuterSync:
             known.setdefault(r, set()).update(peers)
         self.former = known
         self.stage_peers = dict(stage_peers)
+        if self.checkpoints is not None:
+            self.checkpoints.trust([*stage_peers.values(), *(p for ps in known.values() for p in ps)])
 
     def _signers(self, r: int) -> set[str]:
         """Every signer whose fragments count for replica r's slot: its node now and the ones it replaced."""
@@ -377,9 +451,11 @@ class OuterSync:
                 fid.round,
             ):
                 raise ProtocolError("it is the record of another round")
-            for e in rec.entries:
-                if e.signer not in self._signers(e.replica):
-                    raise ProtocolError(f"it lists a fragment of replica {e.replica} signed by {e.signer}")
+            for entry in rec.entries:
+                if entry.signer not in self._signers(entry.replica):
+                    raise ProtocolError(
+                        f"it lists a fragment of replica {entry.replica} signed by {entry.signer}"
+                    )
         except (ProtocolError, ValueError) as e:  # ValueError: a bad signature
             self._reject_record(fid, str(e), seen_bad, blob)
             return None, True

@@ -6,7 +6,6 @@ capture/apply schedule; validation on consensus weights at round boundaries; pro
 
 from __future__ import annotations
 
-import contextlib
 import hashlib
 import logging
 import math
@@ -27,20 +26,20 @@ from node.inner_step import (
     optimizer_tensors,
     prepare_stage,
 )
-from node.model import Stage, build_stage
-from node.outer_sync import OuterSync
+from node.model import build_stage
+from node.outer_sync import LocalState, OuterSync
 from node.schedule import PipelineStage
 from node.sparseloco_sync import make_sync_parts
+from node.stage_checkpoints import StageCheckpoints
 from node.subspace_model import boundary_codecs, constrain_stage, project_weights_
 from node.transport import Link, Shaper, connect
 from protocol import keys
-from protocol.checkpoint import Checkpoint, CheckpointRefused, read_checkpoint, read_round, write_checkpoint
+from protocol.checkpoint import Checkpoint
 from protocol.envelope import seal
 from protocol.framing import encode_frame
-from protocol.identity import Identity, public_key_of_peer_id
+from protocol.identity import Identity
 from protocol.messages import Assignment, Hello
-from protocol.schema import ProtocolError
-from protocol.store import ObjectStore, StoreError
+from protocol.store import ObjectStore
 
 log = logging.getLogger(__name__)
 LN2 = math.log(2)
@@ -131,7 +130,7 @@ class StageWorker:
         self._aborted = threading.Event()
         self.next: Link | None = None
         self._resume: Checkpoint | None = None
-        self._ckpt_thread: threading.Thread | None = None
+        self.checkpoints = StageCheckpoints(store, identity, assignment, should_stop)
 
     # --- set-up -----------------------------------------------------------------------------------
     def _shaper(self) -> Shaper:
@@ -159,7 +158,7 @@ class StageWorker:
             self.prev = Link(sock, f"{a.prev.peer_id[-8:]} (stage {a.stage - 1})", shaper=self._shaper())
             start = hello.start_step
         elif start < 0:  # the first stage picks the round its replica resumes from
-            self._resume = self._latest_checkpoint()
+            self._resume = self.checkpoints.latest()
             start = self._resume.step if self._resume is not None else 0
         if a.next is not None:
             sock = connect(
@@ -185,138 +184,6 @@ class StageWorker:
             if link is not None:
                 link.flush(5.0)
                 link.close()
-
-    # --- checkpoints (written and read by the round owner's state; protocol/checkpoint.py) ----------
-    def _trusted_signers(self) -> set[bytes]:
-        """Whose checkpoints of this stage we believe: the nodes of this stage in every replica, now
-        or earlier in the run (a rebuilt replica resumes from its predecessor's checkpoint)."""
-        peers = set(self.a.stage_peers.values()) | {self.identity.peer_id}
-        for former in self.a.former_stage_peers.values():
-            peers.update(former)
-        trusted = set()
-        for p in peers:
-            with contextlib.suppress(ProtocolError):
-                trusted.add(public_key_of_peer_id(p))
-        return trusted
-
-    def _latest_checkpoint(self) -> Checkpoint | None:
-        """This replica's newest valid checkpoint of this stage that every later stage of the replica
-        also wrote (refused ones are logged and skipped); another replica's when this replica has none (a
-        new replica joining a running run)."""
-        a = self.a
-        for replica in [a.replica, *sorted(int(r) for r in a.stage_peers if int(r) != a.replica)]:
-            ck, rnd = None, None
-            while True:
-                ck = read_checkpoint(
-                    self.store,
-                    run_id=a.run_id,
-                    stage=a.stage,
-                    replica=replica,
-                    round=rnd,
-                    trusted=self._trusted_signers(),
-                )
-                if ck is None or all(
-                    self.store.head(keys.ckpt_manifest_key(a.run_id, rnd=ck.round, stage=s, replica=replica))
-                    for s in range(a.stage + 1, self.spec.stages)
-                ):
-                    break
-                log.info("round %d is not checkpointed by every stage; trying an earlier one", ck.round)
-                if ck.round == 0:
-                    ck = None
-                    break
-                rnd = ck.round - 1
-            if ck is not None:
-                log.info(
-                    "run %s r%d/s%d resumes from round %d (step %d) of replica %d",
-                    a.run_id,
-                    a.replica,
-                    a.stage,
-                    ck.round,
-                    ck.step,
-                    replica,
-                )
-                return ck
-        return None
-
-    def _checkpoint_at(self, step: int, wait_s: float = 120.0) -> Checkpoint:
-        """The checkpoint of the round that ends at `step` (the first stage chose it): this replica's,
-        else any replica's of this stage; waits for one still being written."""
-        a, sync = self.a, self.spec.sync
-        rnd = (step - sync.tau) // sync.H
-        deadline = time.monotonic() + wait_s
-        while True:
-            for replica in [a.replica, *sorted(int(r) for r in a.stage_peers if int(r) != a.replica)]:
-                try:
-                    ck = read_round(
-                        self.store,
-                        run_id=a.run_id,
-                        stage=a.stage,
-                        replica=replica,
-                        round=rnd,
-                        trusted=self._trusted_signers(),
-                    )
-                    log.info(
-                        "run %s r%d/s%d resumes from round %d (step %d) of replica %d",
-                        a.run_id,
-                        a.replica,
-                        a.stage,
-                        rnd,
-                        step,
-                        replica,
-                    )
-                    return ck
-                except CheckpointRefused as e:
-                    log.warning("checkpoint of round %d, replica %d: %s", rnd, replica, e)
-            if time.monotonic() > deadline or self.should_stop():
-                raise RuntimeError(
-                    f"no valid checkpoint of round {rnd} (step {step}) for stage {a.stage} after "
-                    f"{wait_s:.0f} s; cannot resume"
-                )
-            time.sleep(0.5)
-
-    def _save_checkpoint(
-        self, module: Stage, opt: torch.optim.Optimizer, sync: OuterSync, step: int, rnd: int
-    ) -> None:
-        """Everything needed to continue from round `rnd`: local weights, consensus anchor, outer
-        momentum, error feedback, optimizer moments, data position. Snapshotted to the CPU here (training
-        goes on), uploaded on a background thread; the previous upload is waited for first."""
-        if self._ckpt_thread is not None:
-            self._ckpt_thread.join()
-        names = [n for n, _ in module.named_parameters()]
-        tensors = {f"model.{k}": v for k, v in module.state_dict().items()}
-        tensors.update(sync.state_tensors(names))
-        tensors.update(optimizer_tensors(module, opt))
-        snapshot = {k: v.detach().to("cpu", copy=True) for k, v in tensors.items()}
-        a = self.a
-
-        def upload() -> None:
-            try:
-                write_checkpoint(
-                    self.store,
-                    self.identity,
-                    run_id=a.run_id,
-                    stage=a.stage,
-                    replica=a.replica,
-                    round=rnd,
-                    step=step,
-                    tensors=snapshot,
-                    meta={"data_seed": self.spec.train.data_seed, "data_step": step},
-                )
-            except (StoreError, ValueError, OSError) as e:  # the next round's checkpoint tries again
-                log.warning("checkpoint of round %d not written: %s", rnd, e)
-
-        self._ckpt_thread = threading.Thread(target=upload, name="checkpoint", daemon=True)
-        self._ckpt_thread.start()
-
-    def _restore(self, ck: Checkpoint, module: Stage, opt: torch.optim.Optimizer, sync: OuterSync) -> None:
-        """Optimizer, anchor, outer momentum and error feedback from `ck` (the weights were loaded before
-        the stage moved to its device)."""
-        names = [n for n, _ in module.named_parameters()]
-        try:
-            sync.load_state_tensors(names, ck.tensors)
-            load_optimizer_tensors(module, opt, ck.tensors)
-        except KeyError as e:
-            raise RuntimeError(f"checkpoint of round {ck.round} lacks {e}: written by an older build?") from e
 
     def _cancelled(self) -> bool:
         return self._aborted.is_set() or self.should_stop() is not None
@@ -356,7 +223,7 @@ class StageWorker:
             start = self._open_links()
             ck = None
             if a.start_step < 0 and start > 0:  # a rebuilt or relaunched replica resumes
-                ck = self._resume if self._resume is not None else self._checkpoint_at(start)
+                ck = self._resume if self._resume is not None else self.checkpoints.at_step(start)
                 module.load_state_dict(
                     {k[len("model.") :]: v for k, v in ck.tensors.items() if k.startswith("model.")}
                 )
@@ -374,6 +241,15 @@ class StageWorker:
             params = [p for p in module.parameters()]
             opt = make_optimizer(module, spec.train)
             parts = make_sync_parts(spec, self.identity)
+            local = LocalState(
+                names=[n for n, _ in module.named_parameters()],
+                tensors=lambda: {
+                    **{f"model.{k}": v for k, v in module.state_dict().items()},
+                    **optimizer_tensors(module, opt),
+                },
+                load=lambda tensors: load_optimizer_tensors(module, opt, tensors),
+                after_apply=lambda: project_weights_(module),  # a sparse, quantized update leaves span(U)
+            )
             sync = OuterSync(
                 params,
                 store=self.store,
@@ -390,10 +266,13 @@ class StageWorker:
                 alpha=spec.sync.alpha,
                 momentum=parts.momentum,
                 timeout_s=spec.sync.timeout_s,
+                local=local,
+                checkpoints=self.checkpoints,
+                checkpoint_every=spec.sync.checkpoint_every,
             )
             self.sync = sync
             if ck is not None:
-                self._restore(ck, module, opt, sync)
+                sync.restore(ck)
             m.step = start
             pipe = PipelineStage(
                 module,
@@ -435,8 +314,7 @@ class StageWorker:
                     step,
                     lambda: pipe.train_step(step, batch, spec.train.microbatches),  # noqa: B023
                 )
-                sync.after_inner_step(step + 1)
-                project_weights_(module)  # an outer update (sparse, quantized) leaves span(U)
+                outcome = sync.step_done(step + 1)  # the round owner: outer sync, round end, checkpoint
                 m.step, m.compute_s, m.pipe_wait_s = (
                     step + 1,
                     m.compute_s + stats.compute_s,
@@ -453,16 +331,16 @@ class StageWorker:
                     last_log = now
                     self._log_progress()
                 self._update_io(sync)
-                rnd = sync.round_end(step + 1)  # the round owner says when a round ends
+                rnd = outcome.round_ended
                 if rnd is not None:
                     m.rounds = rnd
                     if spec.eval_every and rnd % spec.eval_every == 0 and step + 1 < spec.train.total_steps:
                         self._evaluate(pipe, step + 1, val)
-                done_round = sync.checkpoint_due(step + 1, spec.sync.checkpoint_every)
-                if done_round is not None:
-                    m.anchor_round, m.anchor_sha256 = done_round, sync.anchor_digest()
-                    m.anchor_history = [*m.anchor_history, (done_round, m.anchor_sha256)][-ANCHOR_HISTORY:]
-                    self._save_checkpoint(module, opt, sync, step + 1, done_round)
+                if outcome.checkpointed is not None:
+                    m.anchor_round, m.anchor_sha256 = outcome.checkpointed, sync.anchor_digest()
+                    m.anchor_history = [*m.anchor_history, (m.anchor_round, m.anchor_sha256)][
+                        -ANCHOR_HISTORY:
+                    ]
             sync.finish()
             self._update_io(sync)
             if result == "done":
@@ -471,8 +349,7 @@ class StageWorker:
                 self._report()
         finally:
             self._close_links()
-            if self._ckpt_thread is not None:
-                self._ckpt_thread.join()
+            sync.close()  # a checkpoint upload in flight finishes
         m.state = "done" if result == "done" else "idle"
         log.info("run %s r%d/s%d ended at step %d: %s", a.run_id, a.replica, a.stage, m.step, result)
         return result

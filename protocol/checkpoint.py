@@ -22,7 +22,9 @@ candidate is checked in this order, and the first failure refuses it with a reas
      version by If-Match, so an object swapped mid-way is refused instead of mixing two);
   5. that safetensors can load it.
 A refused checkpoint is logged and collected (`Refusal`), and the next lower round under `{run}/ckpt/`
-is tried, down to none (None). A store that cannot be reached raises StoreError instead: an outage
+is tried, down to none (None). Rounds listed above the pointer's are tried before it: the pointer only
+saves a LIST, and an older, validly signed pointer put back by someone with store access must not turn
+the run back to its round. A store that cannot be reached raises StoreError instead: an outage
 must not silently roll a node back to an older checkpoint.
 """
 
@@ -359,8 +361,12 @@ def read_checkpoint(
         pointer = _read_pointer(store, run_id, stage, replica, trusted, refuse)
         if pointer is not None:
             start, pinned = pointer.round, pointer.manifest_sha256
-    below = [r for r in list_rounds(store, run_id) if start is None or r < start]
-    candidates = ([] if start is None else [start]) + sorted(below, reverse=True)
+    listed = list_rounds(store, run_id)
+    # a pointer only saves a LIST: a newer round whose manifest verifies wins over it (an older, validly
+    # signed pointer put back by someone with store access must not turn the run back)
+    above = sorted((r for r in listed if round is None and start is not None and r > start), reverse=True)
+    below = sorted((r for r in listed if start is None or r < start), reverse=True)
+    candidates = above + ([] if start is None else [start]) + below
     for rnd in candidates:
         try:
             ckpt = read_round(
@@ -383,6 +389,15 @@ def read_checkpoint(
         except CheckpointRefused as e:
             refuse(rnd, e.key, e.reason)
             continue
+        if start is not None and rnd > start:
+            log.warning(
+                "LATEST of %s stage %d replica %d names round %d but round %d verifies: using the newer",
+                run_id,
+                stage,
+                replica,
+                start,
+                rnd,
+            )
         if refusals:
             log.warning(
                 "resuming %s stage %d replica %d from round %d after %d refusal(s)",

@@ -198,18 +198,6 @@ class ObjectStore:
         self._count(down=len(data))
         return data, str(r["ETag"])
 
-    def head_etag(self, key: str) -> str | None:
-        """The ETag of `key` without its body; None if absent."""
-        try:
-            r = self.client.head_object(Bucket=self.bucket, Key=key)
-        except botocore.exceptions.ClientError as e:
-            if e.response["Error"]["Code"] in ("NoSuchKey", "404", "NotFound"):
-                return None
-            raise self._fail(f"HEAD {key}", e) from e
-        except botocore.exceptions.BotoCoreError as e:
-            raise self._fail(f"HEAD {key}", e) from e
-        return str(r["ETag"])
-
     def get(self, key: str, max_bytes: int | None = None) -> bytes | None:
         found = self.get_with_etag(key, max_bytes)
         return None if found is None else found[0]

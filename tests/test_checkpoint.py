@@ -172,6 +172,18 @@ def test_a_given_round_is_read_and_newer_ones_ignored(store: ObjectStore, run_id
     assert rnd == 2 and len(refused) == 1 and "no manifest" in refused[0].reason
 
 
+def test_an_older_pointer_put_back_does_not_turn_the_run_back(store: ObjectStore, run_id: str) -> None:
+    _write(store, run_id, 1)
+    old_pointer = _get(store, _pkey(run_id))  # validly signed, names round 1
+    _write(store, run_id, 2)
+    store.put(_pkey(run_id), old_pointer)  # replayed by someone with store write access
+    assert _read(store, run_id) == (2, [])
+    # a newer round that does not verify is refused, and the pointer's round is used
+    store.put(_tkey(run_id), b"x" * 10)
+    rnd, refused = _read(store, run_id)
+    assert rnd == 1 and len(refused) == 1 and "holds" in refused[0].reason
+
+
 def test_bad_arguments_write_nothing(store: ObjectStore, run_id: str) -> None:
     _write(store, run_id, 1)
     bad: list[dict[str, object]] = [

@@ -1,30 +1,79 @@
-"""`crucible-coordinator`: serve as a run coordinator, and launch / watch / stop / export / plan runs.
+"""`crucible-coordinator`: the operator's CLI (init, launch, status, stop, export, plan) and a run coordinator.
 
-crucible-coordinator serve  --bootstrap MA --store-endpoint URL --operator-key-file KEY
-crucible-coordinator launch run.toml --bootstrap MA --store-endpoint URL --operator-key-file KEY [--watch]
+crucible-coordinator init [--operator-key-file KEY]      create the operator key once; prints the peer id
+                                                         providers give their nodes (--operator-key)
+crucible-coordinator serve  --bootstrap MA --store-endpoint URL [--operator-key-file KEY]
+crucible-coordinator launch run.toml --bootstrap MA --store-endpoint URL [--operator-key-file KEY] [--watch]
 crucible-coordinator status [RUN] --bootstrap MA --operator-key 12D3KooW...
-crucible-coordinator stop RUN --bootstrap MA --store-endpoint URL --operator-key-file KEY
+crucible-coordinator stop RUN --bootstrap MA --store-endpoint URL [--operator-key-file KEY]
 crucible-coordinator export RUN --out DIR --operator-key 12D3KooW... --store-endpoint URL [--round N]
 crucible-coordinator plan --model 8b --pool pool.toml
+
+KEY defaults to ~/.crucible/operator.key; only `init` creates it (a key made up by serve or launch would be
+trusted by no node). A mistake in the arguments exits 2 with one line naming it; --debug shows tracebacks.
 """
 
 from __future__ import annotations
 
 import argparse
+import ipaddress
 import logging
+import os
+import re
 import signal
 import sys
 import time
 from pathlib import Path
+from typing import TYPE_CHECKING
 
+from coordinator.operator_key import DEFAULT_OPERATOR_KEY_FILE, create_operator_key, load_operator_key
 from protocol import keys
-from protocol.dht_client import EXAMPLE_MULTIADDR, BootstrapError, DHTClient, validate_multiaddr
-from protocol.identity import Identity, SignatureError, public_key_of_peer_id
+from protocol.cli_errors import (
+    EXAMPLE_MULTIADDR,
+    ArgumentParser,
+    UsageError,
+    bad_input,
+    check_multiaddr,
+    check_peer_id,
+    check_positive,
+    check_url,
+    run_cli,
+)
+from protocol.identity import Identity
 from protocol.messages import NodeAdvert, RunRecord
-from protocol.runspec import load_run_spec
-from protocol.store import ObjectStore, StoreConfig, StoreError
+from protocol.runspec import check_run_id, load_run_spec
+
+if TYPE_CHECKING:  # hivemind and boto3 take seconds to import: only the commands that talk import them
+    from protocol.dht_client import DHTClient
+    from protocol.store import ObjectStore
 
 log = logging.getLogger("crucible.coordinator")
+PROG = "crucible-coordinator"
+BUCKET_PATTERN = re.compile(r"[a-z0-9][a-z0-9.-]{1,61}[a-z0-9]")
+"""S3 bucket names (as MinIO and R2 apply them too): 3-63 lowercase letters, digits, dots and dashes."""
+
+
+def _common_args(p: argparse.ArgumentParser, *, log_level: bool = True) -> None:
+    if log_level:
+        p.add_argument("--log-level", default="INFO", choices=["DEBUG", "INFO", "WARNING", "ERROR"])
+    p.add_argument("--debug", action="store_true", help="show the traceback of an error")
+
+
+def _key_file_arg(p: argparse.ArgumentParser, help: str) -> None:
+    p.add_argument("--operator-key-file", default=DEFAULT_OPERATOR_KEY_FILE, metavar="PATH", help=help)
+
+
+def _store_args(p: argparse.ArgumentParser) -> None:
+    p.add_argument(
+        "--store-endpoint",
+        required=True,
+        metavar="URL",
+        help="S3-compatible endpoint URL (example: https://ACCOUNT.r2.cloudflarestorage.com, "
+        "http://127.0.0.1:9000)",
+    )
+    p.add_argument("--store-bucket", default="crucible", help="bucket (default: crucible)")
+    p.add_argument("--store-access-key", default="", help="access key id (default: boto3's chain)")
+    p.add_argument("--store-secret-key", default="", help="secret key (default: boto3's chain)")
 
 
 def _swarm_args(p: argparse.ArgumentParser, *, store: bool, key: bool) -> None:
@@ -36,34 +85,37 @@ def _swarm_args(p: argparse.ArgumentParser, *, store: bool, key: bool) -> None:
         help=f"multiaddr of a swarm peer, repeatable (example: {EXAMPLE_MULTIADDR})",
     )
     p.add_argument(
-        "--host", default="127.0.0.1", help="address for this process's DHT peer (default 127.0.0.1)"
+        "--host", default="127.0.0.1", help="IPv4 address for this process's DHT peer (default 127.0.0.1)"
     )
     if store:
-        p.add_argument(
-            "--store-endpoint",
-            required=True,
-            help="S3-compatible endpoint URL, e.g. https://ACCOUNT.r2.cloudflarestorage.com",
-        )
-        p.add_argument("--store-bucket", default="crucible", help="bucket (default: crucible)")
-        p.add_argument("--store-access-key", default="", help="access key id (default: $AWS_ACCESS_KEY_ID)")
-        p.add_argument("--store-secret-key", default="", help="secret key (default: $AWS_SECRET_ACCESS_KEY)")
+        _store_args(p)
     if key:
-        p.add_argument(
-            "--operator-key-file",
-            default="~/.crucible/operator.key",
-            help="operator's Ed25519 seed; nodes trust its peer id via --operator-key (created if missing)",
+        _key_file_arg(
+            p,
+            f"operator key (default {DEFAULT_OPERATOR_KEY_FILE}); never created here: create it once with "
+            "`crucible-coordinator init`",
         )
-    p.add_argument("--log-level", default="INFO", choices=["DEBUG", "INFO", "WARNING", "ERROR"])
+    _common_args(p)
 
 
 def build_parser() -> argparse.ArgumentParser:
-    ap = argparse.ArgumentParser(
-        prog="crucible-coordinator",
+    ap = ArgumentParser(
+        prog=PROG,
         description="Crucible run coordinator and operator CLI.",
         formatter_class=argparse.RawDescriptionHelpFormatter,
         epilog=__doc__,
     )
-    sub = ap.add_subparsers(dest="command", required=True)
+    sub = ap.add_subparsers(dest="command", required=True, metavar="COMMAND")
+    it = sub.add_parser(
+        "init",
+        help="create the operator key (once) and print the peer id that providers give their nodes",
+        epilog=f"example: {PROG} init --operator-key-file ~/.crucible/operator.key",
+    )
+    _key_file_arg(
+        it, f"where to write the key (default {DEFAULT_OPERATOR_KEY_FILE}); an existing key is kept"
+    )
+    _common_args(it, log_level=False)
+
     s = sub.add_parser(
         "serve", help="run a coordinator: take launched runs' leases, place nodes, publish assignments"
     )
@@ -101,20 +153,20 @@ def build_parser() -> argparse.ArgumentParser:
     ex = sub.add_parser(
         "export",
         help="write a run's consensus as a Hugging Face Llama folder (model.safetensors + config.json)",
-        epilog="example: crucible-coordinator export my-run --out ./my-run-hf --operator-key 12D3KooW... "
+        epilog=f"example: {PROG} export my-run --out ./my-run-hf --operator-key 12D3KooW... "
         "--store-endpoint http://127.0.0.1:9000",
     )
     ex.add_argument("run_id")
     ex.add_argument("--out", required=True, help="folder to write (created; files replaced)")
     ex.add_argument("--round", type=int, default=None, help="outer round (default: the newest checkpointed)")
     ex.add_argument(
-        "--operator-key", required=True, help="peer id (12D3KooW...) of the operator that launched the run"
+        "--operator-key",
+        required=True,
+        metavar="PEER_ID",
+        help="peer id (12D3KooW...) of the operator that launched the run",
     )
-    ex.add_argument("--store-endpoint", required=True, help="S3-compatible endpoint URL")
-    ex.add_argument("--store-bucket", default="crucible", help="bucket (default: crucible)")
-    ex.add_argument("--store-access-key", default="", help="access key id (default: boto3's chain)")
-    ex.add_argument("--store-secret-key", default="", help="secret key (default: boto3's chain)")
-    ex.add_argument("--log-level", default="INFO", choices=["DEBUG", "INFO", "WARNING", "ERROR"])
+    _store_args(ex)
+    _common_args(ex)
 
     from coordinator import plan_cli
 
@@ -122,7 +174,77 @@ def build_parser() -> argparse.ArgumentParser:
     return ap
 
 
+# --------------------------------------------------------------------------------- argument checks
+def _check_out(value: str) -> None:
+    """--out: a folder that exists or can be created, and written to."""
+    example = "--out ./my-run-hf"
+    out = Path(value).expanduser()
+    if out.exists() and not out.is_dir():
+        raise bad_input(
+            "--out", value, "is a file; give a folder for model.safetensors and config.json", example
+        )
+    parent = out
+    while not parent.exists():
+        parent = parent.parent
+    if not parent.is_dir():
+        raise bad_input("--out", value, f"cannot be created: {parent} is a file", example)
+    if not os.access(parent, os.W_OK | os.X_OK):
+        raise bad_input("--out", value, f"cannot be written: {parent} is not writable by this user", example)
+
+
+def check_args(args: argparse.Namespace) -> None:
+    """Every check that needs no network and no heavy import, before any command starts: the flags'
+    syntax, the run spec, the operator key. Loads what later steps use (`args.spec`, `args.operator`)."""
+    for addr in getattr(args, "bootstrap", None) or []:
+        check_multiaddr("--bootstrap", addr)
+    host = getattr(args, "host", None)
+    if host is not None:
+        try:
+            ipaddress.IPv4Address(host)
+        except ValueError as e:
+            raise bad_input("--host", host, "not an IPv4 address", "--host 0.0.0.0") from e
+    if getattr(args, "store_endpoint", None) is not None:
+        check_url("--store-endpoint", args.store_endpoint)
+        if not BUCKET_PATTERN.fullmatch(args.store_bucket):
+            raise bad_input(
+                "--store-bucket",
+                args.store_bucket,
+                "not a bucket name (3-63 lowercase letters, digits, dots or dashes)",
+                "--store-bucket crucible",
+            )
+        if bool(args.store_access_key) != bool(args.store_secret_key):
+            given = "--store-access-key" if args.store_access_key else "--store-secret-key"
+            raise UsageError(
+                f"{given} given alone: give both --store-access-key and --store-secret-key, or neither "
+                "(boto3's chain: AWS_ACCESS_KEY_ID and AWS_SECRET_ACCESS_KEY, or an AWS profile)"
+            )
+    if getattr(args, "run_id", None):
+        try:
+            check_run_id("RUN", args.run_id)
+        except ValueError as e:
+            raise UsageError(str(e)) from e
+    if getattr(args, "operator_key", ""):
+        check_peer_id("--operator-key", args.operator_key)
+    if args.command == "serve":
+        check_positive("--lease-s", args.lease_s, "--lease-s 15")
+        check_positive("--churn-grace-s", args.churn_grace_s, "--churn-grace-s 10")
+    if getattr(args, "round", None) is not None and args.round < 1:
+        raise bad_input("--round", args.round, "rounds count from 1; omit it for the newest", "--round 12")
+    if args.command == "export":
+        _check_out(args.out)
+    if args.command == "launch":
+        try:
+            args.spec = load_run_spec(args.run_toml)
+        except ValueError as e:
+            raise UsageError(str(e)) from e
+    if args.command in ("serve", "launch", "stop"):
+        args.operator = load_operator_key(args.operator_key_file)
+
+
+# ---------------------------------------------------------------------------------------- commands
 def _store(args: argparse.Namespace) -> ObjectStore:
+    from protocol.store import ObjectStore, StoreConfig
+
     return ObjectStore(
         StoreConfig(
             endpoint_url=args.store_endpoint,
@@ -134,13 +256,9 @@ def _store(args: argparse.Namespace) -> ObjectStore:
 
 
 def _dht(args: argparse.Namespace, identity: Identity | None = None) -> DHTClient:
-    for a in args.bootstrap:
-        validate_multiaddr(a)
+    from protocol.dht_client import DHTClient
+
     return DHTClient(identity or Identity.generate(), bootstrap=args.bootstrap, host=args.host)
-
-
-def _operator(args: argparse.Namespace) -> Identity:
-    return Identity.load_or_create(Path(args.operator_key_file).expanduser())
 
 
 UNVERIFIED_NOTE = (
@@ -167,6 +285,8 @@ def format_status(
             f"run {rid}: {rec.state}  {sp.replicas}x{sp.stages}  {sp.train.total_steps} steps  H={sp.sync.H}  "
             f"sync={sp.sync.method}  term={rec.term}  coordinator={rec.coordinator[-8:] or '-'}{unverified}"
         )
+        if rec.reason:
+            lines.append(f"  reason: {rec.reason}")
     if only and not lines:
         lines.append(
             f"run {only}: not found in the DHT (launched? its record expires 60 s after its coordinator stops)"
@@ -185,6 +305,8 @@ def format_status(
             f"{peer[-8:]:<10} {a.state:<9} {a.run_id or '-':<16} {rs:<5} {a.step:>6} {loss:>7} {bpb:>8} "
             f"{a.tokens_per_s:>8.0f} {a.bytes_pipe / 1e6:>8.1f} {a.bytes_store / 1e6:>8.1f} {a.tflops:>8.3f}"
         )
+        if a.state == "failed" and a.error:
+            lines.append(f"{'':<10} failed: {a.error}")
     return "\n".join(lines)
 
 
@@ -208,17 +330,22 @@ def _read_views(
     return runs, nodes, signers
 
 
-def _trusted_operator(peer_id: str) -> set[bytes]:
-    try:
-        return {public_key_of_peer_id(peer_id)}
-    except SignatureError as e:
-        raise ValueError(f"--operator-key: {e} (give the operator's 12D3KooW... peer id)") from e
+def cmd_init(args: argparse.Namespace) -> int:
+    ident, created = create_operator_key(args.operator_key_file)
+    where = args.operator_key_file
+    if created:
+        print(f"created operator key {where} (mode 0600; back it up: nodes trust this key and no other)")
+    else:
+        print(f"operator key {where} already exists; kept as it is")
+    print(f"operator peer id: {ident.peer_id}")
+    print(f"providers start their nodes with: crucible-node join --operator-key {ident.peer_id} ...")
+    return 0
 
 
 def cmd_serve(args: argparse.Namespace) -> int:
     from coordinator.service import Coordinator
 
-    ident = _operator(args)
+    ident: Identity = args.operator
     store = _store(args)
     store.ensure_bucket()
     dht = _dht(args)
@@ -236,14 +363,15 @@ def cmd_serve(args: argparse.Namespace) -> int:
 def cmd_launch(args: argparse.Namespace) -> int:
     from coordinator.service import launch
 
-    spec = load_run_spec(args.run_toml)
-    ident = _operator(args)
+    spec = args.spec
+    ident: Identity = args.operator
     store = _store(args)
     dht = _dht(args)
     try:
         launch(dht, store, ident, RunRecord(spec=spec, state="pending", updated=time.time()))
         print(
-            f"launched run {spec.run_id}: {spec.replicas} replicas x {spec.stages} stages, {spec.train.total_steps} steps",
+            f"launched run {spec.run_id}: {spec.replicas} replicas x {spec.stages} stages, "
+            f"{spec.train.total_steps} steps; operator {ident.peer_id} (nodes must trust it: --operator-key)",
             flush=True,
         )
         if args.watch:
@@ -260,7 +388,7 @@ def cmd_launch(args: argparse.Namespace) -> int:
 
 
 def cmd_status(args: argparse.Namespace) -> int:
-    trusted = _trusted_operator(args.operator_key) if args.operator_key else None
+    trusted = {check_peer_id("--operator-key", args.operator_key)} if args.operator_key else None
     dht = _dht(args)
     try:
         runs, nodes, signers = _read_views(dht, trusted)
@@ -273,7 +401,7 @@ def cmd_status(args: argparse.Namespace) -> int:
 def cmd_stop(args: argparse.Namespace) -> int:
     from coordinator.service import request_stop
 
-    request_stop(_store(args), _operator(args), args.run_id)
+    request_stop(_store(args), args.operator, args.run_id)
     print(f"stop requested for run {args.run_id}; its coordinator stops the nodes within a few seconds")
     return 0
 
@@ -281,11 +409,8 @@ def cmd_stop(args: argparse.Namespace) -> int:
 def cmd_export(args: argparse.Namespace) -> int:
     from coordinator.export import consensus_states, export_llama
 
-    if args.round is not None and args.round < 1:
-        raise ValueError(f"--round {args.round}: rounds count from 1 (example: --round 12)")
-    spec, rnd, states = consensus_states(
-        _store(args), args.run_id, _trusted_operator(args.operator_key), args.round
-    )
+    trusted = {check_peer_id("--operator-key", args.operator_key)}
+    spec, rnd, states = consensus_states(_store(args), args.run_id, trusted, args.round)
     out = Path(args.out).expanduser()
     export_llama(spec, states, out)
     n = sum(int(t.numel()) for st in states for k, t in st.items())
@@ -295,8 +420,34 @@ def cmd_export(args: argparse.Namespace) -> int:
     return 0
 
 
-def main(argv: list[str] | None = None) -> int:
+def _plan(args: argparse.Namespace) -> int:
+    from coordinator import plan_cli
+
+    return plan_cli.run(args)
+
+
+COMMANDS = {
+    "init": cmd_init,
+    "serve": cmd_serve,
+    "launch": cmd_launch,
+    "status": cmd_status,
+    "stop": cmd_stop,
+    "export": cmd_export,
+    "plan": _plan,
+}
+
+
+def _user_errors() -> tuple[type[Exception], ...]:
+    """What a command raises for a bad input it could only find by trying (a bootstrap peer that does not
+    answer, a run id not in the store, a store that refuses the endpoint or keys): exit 2, one line.
+    The store's error is named only when the store was imported (boto3 is slow to import)."""
+    store = sys.modules.get("protocol.store")
+    return (ValueError,) if store is None else (ValueError, store.StoreError)
+
+
+def _main(argv: list[str] | None) -> int:
     args = build_parser().parse_args(argv)
+    check_args(args)
     logging.basicConfig(
         level=getattr(args, "log_level", "INFO"),
         format="%(asctime)s %(levelname)s %(name)s: %(message)s",
@@ -304,22 +455,16 @@ def main(argv: list[str] | None = None) -> int:
     )
     for noisy in ("hivemind", "botocore", "urllib3"):
         logging.getLogger(noisy).setLevel(logging.WARNING)
-    commands = {
-        "serve": cmd_serve,
-        "launch": cmd_launch,
-        "status": cmd_status,
-        "stop": cmd_stop,
-        "export": cmd_export,
-    }
     try:
-        if args.command == "plan":
-            from coordinator import plan_cli
+        return COMMANDS[args.command](args)
+    except _user_errors() as e:
+        raise UsageError(str(e)) from e
 
-            return plan_cli.run(args)
-        return commands[args.command](args)
-    except (BootstrapError, StoreError, ValueError) as e:
-        print(f"error: {e}", file=sys.stderr)
-        return 2
+
+def main(argv: list[str] | None = None) -> int:
+    """Entry point: exit 0 on success, 2 with one line on stderr for a mistake in the input, 1 with one
+    line for any other failure (tracebacks with --debug)."""
+    return run_cli(PROG, _main, argv)
 
 
 if __name__ == "__main__":

@@ -1,6 +1,9 @@
 """`crucible-coordinator plan`: predict tokens/s, MFU, tax and $/Mtok of a pool, or price a measurement.
 
 Wiring: `coordinator/cli.py` calls `add_parser(subparsers)`; the parsed namespace carries `func=run`.
+Every quantity must be positive (a few may be 0, said in their help); "auto" is the absence of a flag, or
+the word `auto` for --replicas, --stages and --k. A host group without a price is planned, its dollar
+figures shown as n/a, with a warning.
 """
 
 from __future__ import annotations
@@ -10,6 +13,7 @@ import dataclasses
 import json
 import sys
 from collections.abc import Sequence
+from pathlib import Path
 from typing import Any
 
 from coordinator.accelerators import ACCELERATORS
@@ -24,10 +28,19 @@ from coordinator.planner import (
     auto_stages,
     economics,
     get_model,
-    load_pool,
     naive_layout,
     predict,
 )
+from protocol.cli_errors import (
+    ArgumentParser,
+    UsageError,
+    bad_input,
+    check_keys,
+    check_positive,
+    load_toml,
+    run_cli,
+)
+from protocol.schema import SchemaError, from_dict
 
 DESCRIPTION = """\
 Predict tokens/s, effective MFU, low-bandwidth tax (1 - MFU/ceiling) and $/Mtok for R replicas x S
@@ -43,6 +56,18 @@ examples:
       --replicas 12 --stages 4 --measured-tokens-per-s 130100 \\
       --reference-usd-per-hour 17.712 --reference-gpus 8
 """
+
+
+def _count_or_auto(text: str) -> int | None:
+    """--replicas/--stages/--k: a whole number, or `auto` (the same as leaving the flag out)."""
+    if text.strip().lower() == "auto":
+        return None
+    try:
+        return int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(
+            f"{text!r} is not a whole number or 'auto' (example: 12; leave the flag out for auto)"
+        ) from None
 
 
 def add_parser(subparsers: Any) -> argparse.ArgumentParser:
@@ -71,12 +96,16 @@ def add_parser(subparsers: Any) -> argparse.ArgumentParser:
         help="inline pool: accelerator, default a100-80gb (example: --accelerator h100-sxm)",
     )
     pool.add_argument(
-        "--tflops", type=float, default=0.0, help="inline pool: measured TFLOP/s per GPU (example: 0.15)"
+        "--tflops",
+        type=float,
+        help="inline pool: measured TFLOP/s per GPU; default: the accelerator's table figure (example: 0.15)",
     )
     pool.add_argument(
         "--link-mbps", type=float, default=1000.0, help="inline pool: link Mbit/s (example: 500)"
     )
-    pool.add_argument("--rtt-ms", type=float, default=30.0, help="inline pool: link RTT in ms (example: 80)")
+    pool.add_argument(
+        "--rtt-ms", type=float, default=30.0, help="inline pool: link RTT in ms, may be 0 (example: 80)"
+    )
     pool.add_argument(
         "--store-mbps", type=float, default=1000.0, help="inline pool: store Mbit/s (example: 400)"
     )
@@ -85,9 +114,15 @@ def add_parser(subparsers: Any) -> argparse.ArgumentParser:
     )
     t = p.add_argument_group("topology and schedule")
     t.add_argument(
-        "--replicas", type=int, help="R; default: as many as the pool fills (example: --replicas 12)"
+        "--replicas",
+        type=_count_or_auto,
+        help="R; default (or auto): as many as the pool fills (example: --replicas 12)",
     )
-    t.add_argument("--stages", type=int, help="S; default: fewest that fit memory (example: --stages 4)")
+    t.add_argument(
+        "--stages",
+        type=_count_or_auto,
+        help="S; default (or auto): fewest that fit memory (example: --stages 4)",
+    )
     t.add_argument(
         "--microbatches", type=int, default=16, help="M per inner step (example: --microbatches 16)"
     )
@@ -96,11 +131,16 @@ def add_parser(subparsers: Any) -> argparse.ArgumentParser:
         "--schedule", default="1f1b", choices=["1f1b", "gpipe"], help="pipeline schedule (example: gpipe)"
     )
     t.add_argument(
-        "--k", type=int, help="subspace rank on every link; default: chosen per link (example: --k 512)"
+        "--k",
+        type=_count_or_auto,
+        help="subspace rank on every link; default (or auto): chosen per link (example: --k 512)",
     )
     t.add_argument("--k-min", type=int, default=32, help="floor of the chosen k (example: --k-min 40)")
     t.add_argument(
-        "--extra-in-flight", type=int, default=0, help="1F1B microbatches in flight beyond S (example: 4)"
+        "--extra-in-flight",
+        type=int,
+        default=0,
+        help="1F1B microbatches in flight beyond S, may be 0 (example: 4)",
     )
     s = p.add_argument_group("SparseLoCo")
     s.add_argument("--H", type=int, default=30, help="inner steps per outer round (example: --H 30)")
@@ -118,22 +158,91 @@ def add_parser(subparsers: Any) -> argparse.ArgumentParser:
     e.add_argument("--reference-mfu", type=float, help="MFU it sustains; default --ceiling (example: 0.55)")
     e.add_argument("--reference-name", default="reference", help="label (example: 'AWS p4de.24xlarge CB')")
     p.add_argument("--json", action="store_true", help="print one JSON line instead of the report")
+    p.add_argument("--debug", action="store_true", help="show the traceback of an error")
     p.set_defaults(func=run)
     return p
 
 
+_QUANTITIES = (
+    # (flag, example, may be 0)
+    ("--seq-len", "--seq-len 8192", False),
+    ("--gpus", "--gpus 48", False),
+    ("--tflops", "--tflops 0.15", False),
+    ("--link-mbps", "--link-mbps 500", False),
+    ("--rtt-ms", "--rtt-ms 80", True),
+    ("--store-mbps", "--store-mbps 400", False),
+    ("--usd-per-gpu-hour", "--usd-per-gpu-hour 1.17", False),
+    ("--replicas", "--replicas 12, or --replicas auto", False),
+    ("--stages", "--stages 4, or --stages auto", False),
+    ("--microbatches", "--microbatches 16", False),
+    ("--microbatch-size", "--microbatch-size 2", False),
+    ("--k", "--k 512, or --k auto", False),
+    ("--k-min", "--k-min 40", False),
+    ("--extra-in-flight", "--extra-in-flight 4", True),
+    ("--H", "--H 30", False),
+    ("--tau", "--tau 2", True),
+    ("--fragments", "--fragments 4", False),
+    ("--compression-ratio", "--compression-ratio 146", False),
+    ("--ceiling", "--ceiling 0.65", False),
+    ("--measured-tokens-per-s", "--measured-tokens-per-s 130100", False),
+    ("--reference-usd-per-hour", "--reference-usd-per-hour 17.712", False),
+    ("--reference-gpus", "--reference-gpus 8", False),
+    ("--reference-tflops", "--reference-tflops 989", False),
+    ("--reference-mfu", "--reference-mfu 0.55", False),
+)
+"""Every number `plan` takes, checked before planning: negative is never meaningful, and 0 is a
+mistake except where said (a price of 0 would print $0/Mtok; --replicas 0 once meant "auto")."""
+
+
+def check_args(args: argparse.Namespace) -> None:
+    """Reject a negative or zero quantity (naming the flag), and a fraction above 1."""
+    for flag, example, may_be_zero in _QUANTITIES:
+        value = getattr(args, flag.lstrip("-").replace("-", "_"))
+        check_positive(flag, value, example, allow_zero=may_be_zero)
+    for flag, value in (("--ceiling", args.ceiling), ("--reference-mfu", args.reference_mfu)):
+        if value is not None and value > 1:
+            raise bad_input(flag, value, "is a fraction of peak: must be in (0, 1]", f"{flag} 0.55")
+    if args.pool and args.gpus is not None:
+        raise UsageError(
+            "give --pool FILE or --gpus N, not both (example: --pool docs/examples/pool_8b.toml)"
+        )
+
+
+def load_pool_file(path: str) -> Pool:
+    """The --pool file, with errors that name it and list valid keys; a host group without
+    `usd_per_gpu_hour` gets 0, which `plan` reports as no price."""
+    example = "--pool docs/examples/pool_8b.toml"
+    if not Path(path).expanduser().exists():
+        raise bad_input("--pool", path, "no such file", example)
+    data = load_toml("--pool", path)
+    check_keys(f"--pool {path}", data, ["hosts"])
+    hosts = data.get("hosts")
+    if isinstance(hosts, list):
+        valid = [f.name for f in dataclasses.fields(HostGroup)]
+        for i, group in enumerate(hosts):
+            if isinstance(group, dict):
+                check_keys(
+                    f"--pool {path}: [[hosts]] #{i + 1} ({group.get('name', 'no name')})", group, valid
+                )
+                group.setdefault("usd_per_gpu_hour", 0.0)
+    try:
+        return from_dict(Pool, data)
+    except SchemaError as e:
+        raise bad_input("--pool", path, str(e).removeprefix("Pool."), example) from e
+
+
 def _pool(args: argparse.Namespace) -> Pool:
     if args.pool:
-        return load_pool(args.pool)
+        return load_pool_file(args.pool)
     if not args.gpus:
-        raise ValueError("give --pool FILE or --gpus N (example: --gpus 48 --accelerator a100-80gb)")
+        raise UsageError("give --pool FILE or --gpus N (example: --gpus 48 --accelerator a100-80gb)")
     return Pool(
         hosts=(
             HostGroup(
                 name=args.accelerator if not args.tflops else "measured",
                 count=args.gpus,
                 accelerator="" if args.tflops else args.accelerator,
-                tflops=args.tflops,
+                tflops=args.tflops or 0.0,
                 usd_per_gpu_hour=args.usd_per_gpu_hour or 0.0,
                 link_mbps=args.link_mbps,
                 rtt_ms=args.rtt_ms,
@@ -158,13 +267,40 @@ class PlanResult:
     """Economics of the predicted throughput (against the reference, if one was given)."""
     measured: Economics | None
     """Economics of --measured-tokens-per-s on the same placed GPUs."""
+    unpriced: tuple[str, ...] = ()
+    """Host groups placed without a price: every dollar figure is then unknown (n/a; null in JSON)."""
 
     def as_json(self) -> str:
-        return json.dumps(dataclasses.asdict(self), separators=(",", ":"))
+        d = dataclasses.asdict(self)
+        if self.unpriced:  # $0/h is not a price: null what depends on it
+            d["prediction"].update(usd_per_hour=None, usd_per_mtok=None)
+            for e in (d["predicted"], d["measured"]):
+                for name in (
+                    "usd_per_hour",
+                    "usd_per_mtok",
+                    "saving",
+                    "break_even_tokens_per_s",
+                    "break_even_mfu",
+                ):
+                    if e is not None:
+                        e[name] = None
+        return json.dumps(d, separators=(",", ":"))
+
+    def warning(self) -> str | None:
+        """One line for stderr when a placed host group has no price."""
+        if not self.unpriced:
+            return None
+        groups = ", ".join(repr(g) for g in self.unpriced)
+        return (
+            f"warning: no price for host group(s) {groups} (usd_per_gpu_hour missing or 0): $/Mtok and $/h "
+            "shown as n/a (example: usd_per_gpu_hour = 1.10 in the pool file, or --usd-per-gpu-hour 1.17)"
+        )
 
 
 def plan(args: argparse.Namespace) -> PlanResult:
-    """Predict the pool's run and price it (and a measurement); raises ValueError on bad input."""
+    """Predict the pool's run and price it (and a measurement); raises UsageError (or ValueError from the
+    planner) on bad input."""
+    check_args(args)
     shape = get_model(args.model)
     if args.seq_len:
         shape = dataclasses.replace(shape, seq_len=args.seq_len)
@@ -182,15 +318,23 @@ def plan(args: argparse.Namespace) -> PlanResult:
         compression_ratio=args.compression_ratio,
     )
     hosts = _pool(args).expand(args.usd_per_gpu_hour)
-    S = args.stages or auto_stages(shape, hosts, settings)
-    R = args.replicas or len(hosts) // S
-    pred = predict(shape, naive_layout(shape, hosts, R, S, settings), settings)
+    S = args.stages if args.stages is not None else auto_stages(shape, hosts, settings)
+    R = args.replicas if args.replicas is not None else len(hosts) // S
+    if R < 1:
+        raise UsageError(
+            f"{len(hosts)} hosts cannot hold one replica of {S} stages: add hosts or lower --stages"
+        )
+    layout = naive_layout(shape, hosts, R, S, settings)
+    unpriced = sorted(
+        {h.name.rsplit("#", 1)[0] for row in layout.replicas for h in row if h.usd_per_hour <= 0}
+    )
+    pred = predict(shape, layout, settings)
     ref = None
     if args.reference_usd_per_hour is not None:
         ref = ReferenceCluster.from_instance(
             usd_per_hour=args.reference_usd_per_hour,
             gpus=args.reference_gpus,
-            mfu=args.reference_mfu or args.ceiling,
+            mfu=args.reference_mfu if args.reference_mfu is not None else args.ceiling,
             name=args.reference_name,
         )
         ref = dataclasses.replace(ref, peak_tflops_per_gpu=args.reference_tflops)
@@ -215,7 +359,8 @@ def plan(args: argparse.Namespace) -> PlanResult:
         prediction=pred,
         reference=ref,
         predicted=price(pred.tokens_per_s),
-        measured=price(args.measured_tokens_per_s) if args.measured_tokens_per_s else None,
+        measured=price(args.measured_tokens_per_s) if args.measured_tokens_per_s is not None else None,
+        unpriced=tuple(unpriced),
     )
 
 
@@ -230,9 +375,17 @@ def _k(x: float) -> str:
     return f"{x / 1e3:,.1f}K" if x < 1e6 else f"{x / 1e6:,.2f}M"
 
 
+NO_PRICE = "n/a (no price)"
+
+
 def report(res: PlanResult) -> str:
-    """The human-readable plan."""
+    """The human-readable plan; dollar figures read n/a when a placed host group has no price."""
     p, b = res.prediction, res.prediction.breakdown
+    priced = not res.unpriced
+
+    def usd(x: float, digits: int, per: str) -> str:
+        return f"${x:,.{digits}f}/{per}" if priced else f"$/{per} {NO_PRICE}"
+
     ks = sorted({ln.k for ln in p.links})
     slowest = max((ln.transfer_s for ln in p.links), default=0.0)
     lines = [
@@ -243,7 +396,7 @@ def report(res: PlanResult) -> str:
         f"{sum(not ln.hidden for ln in p.links)} of {len(p.links)} not hidden by compute",
         f"sync       fragment transfer {p.fragment_transfer_s:.2f} s vs overlap window {p.overlap_window_s:.2f} s",
         f"predicted  {_k(p.tokens_per_s)} tokens/s | MFU {p.effective_mfu:.1%} | tax {p.tax:.1%} | "
-        f"${p.usd_per_mtok:.4f}/Mtok | ${p.usd_per_hour:,.2f}/h",
+        f"{usd(p.usd_per_mtok, 4, 'Mtok')} | {usd(p.usd_per_hour, 2, 'h')}",
         f"breakdown  compute {b.compute:.1%} | imbalance {b.imbalance:.1%} | bubble {b.bubble:.1%} | "
         f"link wait {b.link_wait:.1%} | sync wait {b.sync_wait:.1%}",
     ]
@@ -251,12 +404,18 @@ def report(res: PlanResult) -> str:
         m = res.measured
         lines.append(
             f"measured   {_k(m.tokens_per_s)} tokens/s | MFU {m.effective_mfu:.1%} | tax {m.tax:.1%} | "
-            f"${m.usd_per_mtok:.4f}/Mtok"
+            f"{usd(m.usd_per_mtok, 4, 'Mtok')}"
         )
     for label, e in (("predicted", res.predicted), ("measured", res.measured)):
         if res.reference is None or e is None or e.saving is None:
             continue
         assert e.reference_tokens_per_s and e.break_even_tokens_per_s and e.break_even_mfu is not None
+        if not priced:
+            lines.append(
+                f"vs {res.reference.name} ({label}): {_k(e.reference_tokens_per_s)} tokens/s at "
+                f"{res.reference.mfu:.0%} MFU, ${e.reference_usd_per_mtok:.4f}/Mtok; ours {NO_PRICE}"
+            )
+            continue
         lines.append(
             f"vs {res.reference.name} ({label}): {_k(e.reference_tokens_per_s)} tokens/s at "
             f"{res.reference.mfu:.0%} MFU, ${e.reference_usd_per_mtok:.4f}/Mtok; ours {abs(e.saving):.1%} {'cheaper' if e.saving >= 0 else 'dearer'}; "
@@ -267,22 +426,28 @@ def report(res: PlanResult) -> str:
 
 
 def run(args: argparse.Namespace) -> int:
-    """Print the plan (or one JSON line with --json); 0 on success, 2 on bad input."""
+    """Print the plan (or one JSON line with --json), and a warning line on stderr for a missing price;
+    0 on success. Bad input raises UsageError (exit 2 through `run_cli`)."""
     try:
         out = plan(args)
-    except ValueError as e:
-        print(f"plan: {e}", file=sys.stderr)
-        return 2
+    except ValueError as e:  # the planner's checks: a pool too small, a model that does not fit
+        raise UsageError(str(e)) from e
+    if (warning := out.warning()) is not None:
+        print(f"crucible-coordinator plan: {warning}", file=sys.stderr, flush=True)
     print(out.as_json() if args.json else report(out))
     return 0
 
 
-def main(argv: Sequence[str] | None = None) -> int:
-    """Stand-alone entry (until coordinator/cli.py wires the subcommand)."""
-    parser = argparse.ArgumentParser(prog="crucible-coordinator")
+def _main(argv: list[str] | None) -> int:
+    parser = ArgumentParser(prog="crucible-coordinator")
     add_parser(parser.add_subparsers(dest="command", required=True))
     args = parser.parse_args(argv)
     return int(args.func(args))
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    """Stand-alone entry, the same as `crucible-coordinator plan ...`."""
+    return run_cli("crucible-coordinator", _main, None if argv is None else list(argv))
 
 
 if __name__ == "__main__":

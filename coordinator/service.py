@@ -19,7 +19,15 @@ from protocol.checkpoint import list_rounds
 from protocol.dht_client import DHTClient, dht_time
 from protocol.envelope import open_envelope, seal
 from protocol.identity import Identity
-from protocol.messages import MAX_FORMER_PEERS, Assignment, Endpoint, NodeAdvert, RunControl, RunRecord
+from protocol.messages import (
+    MAX_FORMER_PEERS,
+    MAX_TEXT,
+    Assignment,
+    Endpoint,
+    NodeAdvert,
+    RunControl,
+    RunRecord,
+)
 from protocol.msgpack_limits import unpack_bounded
 from protocol.runspec import RunSpec
 from protocol.schema import ProtocolError
@@ -27,6 +35,9 @@ from protocol.store import ObjectStore, StoreError
 
 log = logging.getLogger(__name__)
 ACTIVE = ("pending", "running", "stopping")
+MAX_REBUILDS_AFTER_FAILURE = 1
+"""A replica whose node reports failed is restarted this many times; then it drops out (a bad data path
+fails the same way every time)."""
 MAX_ARCHIVE_BYTES = 64 * 1024 * 1024  # a run's signed assignments: a few KB per node
 
 
@@ -41,6 +52,8 @@ class ManagedRun:
     missing_since: dict[str, float] = field(default_factory=dict)
     former: dict[tuple[int, int], list[str]] = field(default_factory=dict)
     """(replica, stage) -> nodes that served the slot before churn replaced them, oldest first."""
+    failures: dict[str, list[tuple[int, str]]] = field(default_factory=dict)
+    """peer -> (epoch, reason) of each assignment of this run it reported failed, or was lost in."""
 
 
 class Coordinator:
@@ -120,9 +133,20 @@ class Coordinator:
                 self._watch_stop(run, adverts)
         self._publish(force=False)
 
-    def _set_state(self, run: ManagedRun, state: str) -> None:
-        log.info("run %s: %s -> %s", run.record.spec.run_id, run.record.state, state)
-        run.record = replace(run.record, state=state, updated=dht_time())  # type: ignore[arg-type]
+    def _set_state(self, run: ManagedRun, state: str, reason: str = "") -> None:
+        log.info(
+            "run %s: %s -> %s%s",
+            run.record.spec.run_id,
+            run.record.state,
+            state,
+            f" ({reason})" if reason else "",
+        )
+        run.record = replace(
+            run.record,
+            state=state,  # type: ignore[arg-type]
+            updated=dht_time(),
+            reason=reason[:MAX_TEXT],
+        )
         self._publish(force=True)
 
     def _archived(self, run: ManagedRun) -> list[Assignment] | None:
@@ -300,12 +324,25 @@ class Coordinator:
                     log.warning(
                         "run %s: node %s failed: %s", spec.run_id, peer[-8:], a.error or "no reason given"
                     )
+                    self._note_failure(run, peer, a.error or "no reason given")
                 if now - run.missing_since.setdefault(peer, now) > self.churn_grace_s:
                     failed.add(peer)
+        for peer in gone:
+            self._note_failure(run, peer, "its node stopped advertising (process or host down)")
         stale_replicas = {r for (r, s), p in pl.slots.items() if p in stale}
         broken = {
             r for (r, s), p in pl.slots.items() if p in gone or (p in failed and r not in stale_replicas)
         }
+        # a replica that failed again after one rebuild fails for a reason a rebuild does not fix (its
+        # data path, its spec): it drops out instead of being restarted forever
+        hopeless = {
+            r
+            for (r, s), p in pl.slots.items()
+            if r in broken and p in failed and len(run.failures.get(p, [])) > MAX_REBUILDS_AFTER_FAILURE
+        }
+        for peer in {p for (r, s), p in pl.slots.items() if r in hopeless} & (gone | failed):
+            run.missing_since[peer] = -1.0
+        broken -= hopeless
         if broken and not self._rebuild(run, adverts, gone, broken):
             for peer in gone | failed:
                 if run.missing_since.get(peer) != -1.0:
@@ -319,6 +356,24 @@ class Coordinator:
         lost = {p for p, t in run.missing_since.items() if t == -1.0}
         if done and done + len(lost & set(pl.slots.values())) >= len(pl.slots):
             self._set_state(run, "done")
+        elif not done and {r for (r, s), p in pl.slots.items() if p in lost} >= {r for r, s in pl.slots}:
+            self._set_state(run, "failed", reason=self._failure_summary(run))
+
+    def _note_failure(self, run: ManagedRun, peer: str, reason: str) -> None:
+        """Count a node's failure once per epoch (status and the run's reason quote it)."""
+        seen = run.failures.setdefault(peer, [])
+        if not seen or seen[-1][0] != run.epoch:
+            seen.append((run.epoch, reason))
+
+    @staticmethod
+    def _failure_summary(run: ManagedRun) -> str:
+        """Every replica lost: the distinct reasons the nodes gave, the most frequent first."""
+        counts: dict[str, int] = {}
+        for seen in run.failures.values():
+            for _, reason in seen:
+                counts[reason] = counts.get(reason, 0) + 1
+        ranked = sorted(counts, key=lambda r: -counts[r])
+        return "every replica lost a node: " + "; ".join(ranked) if ranked else "every replica lost a node"
 
     def _rebuild(
         self, run: ManagedRun, adverts: dict[str, NodeAdvert], gone: set[str], broken: set[int]

@@ -8,6 +8,7 @@ closes in order and the process exits 0.
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import threading
 import time
@@ -20,6 +21,7 @@ from node.acceptor import Acceptor
 from node.data import Corpus
 from node.device import DeviceError, describe, free_memory_bytes, resolve_device, resolve_precision
 from node.health import HealthServer
+from node.preflight import refuse_if_taken, refuse_live_twin
 from node.probe import device_name, measure_store_mbps, measure_tflops, memory_gb
 from node.transport import LinkError, listen
 from node.worker import StageWorker, WorkerMetrics
@@ -132,7 +134,6 @@ class NodeDaemon:
             self.device, self._device_claim = resolve_device(cfg.device)
         except DeviceError as e:
             raise ValueError(str(e)) from e
-        log.info("node trains on %s", describe(self.device))
         if not cfg.operator_key:  # no trust root, no assignments: a stranger could point the stage anywhere
             raise ValueError("operator_key is required: the node trusts runs and assignments from it alone")
         self.trusted = {public_key_of_peer_id(cfg.operator_key)}
@@ -147,17 +148,44 @@ class NodeDaemon:
             self.store = ObjectStore(cfg.store) if cfg.store else None
         except StoreError as e:  # e.g. a remote store and no credentials anywhere
             raise ValueError(str(e)) from e
-        self.server = listen(cfg.host, cfg.port)
-        self.acceptor = Acceptor(self.server, peer_id=self.identity.peer_id)  # hellos addressed to us only
-        self.dht = DHTClient(identity, bootstrap=cfg.bootstrap, host=cfg.host, port=cfg.dht_port)
-        self.health = HealthServer(cfg.host, cfg.health_port, self.status)
-        # measured before any run exists, so placement sees both figures; the default precision's ranks
-        self.tflops_fp32 = measure_tflops(self.device, torch.float32)
-        self.tflops_bf16 = measure_tflops(self.device, torch.bfloat16)
-        self.default_precision = resolve_precision("auto", self.device)
-        self.tflops = self.tflops_bf16 if self.default_precision == "bf16" else self.tflops_fp32
-        self.store_mbps = measure_store_mbps(self.store) if self.store else 0.0
-        self._advert_thread = threading.Thread(target=self._advert_loop, name="advert", daemon=True)
+        # ports were checked free by the preflight (node/preflight.py); one taken since is named by its flag
+        with contextlib.ExitStack() as undo:  # a start that fails half-way closes what it opened
+            if self._device_claim is not None:
+                undo.callback(self._device_claim.close)
+            try:
+                self.server = listen(cfg.host, cfg.port)
+            except OSError as e:
+                refuse_if_taken(e, "--port", cfg.host, cfg.port)
+                raise
+            # hellos addressed to us only
+            self.acceptor = Acceptor(self.server, peer_id=self.identity.peer_id)
+            undo.callback(self.acceptor.close)
+            try:
+                self.dht = DHTClient(identity, bootstrap=cfg.bootstrap, host=cfg.host, port=cfg.dht_port)
+            except Exception as e:  # a taken --dht-port is no fault of the bootstrap peer
+                refuse_if_taken(e, "--dht-port", cfg.host, cfg.dht_port)
+                raise
+            undo.callback(self.dht.shutdown)
+            refuse_live_twin(self.dht, self.peer_id)  # before our own health server answers for our id
+            log.info("node trains on %s", describe(self.device))  # past the checks that refuse a start
+            try:
+                self.health = HealthServer(cfg.host, cfg.health_port, self.status)
+            except RuntimeError as e:
+                refuse_if_taken(e, "--health-port", cfg.host, cfg.health_port)
+                raise
+            undo.callback(self.health.close)
+            # measured before any run exists, so placement sees both figures; the default precision's ranks
+            self.tflops_fp32 = measure_tflops(self.device, torch.float32)
+            self.tflops_bf16 = measure_tflops(self.device, torch.bfloat16)
+            self.default_precision = resolve_precision("auto", self.device)
+            self.tflops = self.tflops_bf16 if self.default_precision == "bf16" else self.tflops_fp32
+            self.store_mbps = measure_store_mbps(self.store) if self.store else 0.0
+            self._advert_thread = threading.Thread(target=self._advert_loop, name="advert", daemon=True)
+            try:  # advertised before "ready": a second process with this peer id started now finds it
+                self.dht.publish(keys.NODES_KEY, self.advert(), cfg.advert_ttl_s)
+            except Exception as e:  # the advert loop retries
+                log.warning("first advert failed (will retry): %s", e)
+            undo.pop_all()  # started: shutdown() closes all of it
 
     @property
     def peer_id(self) -> str:
@@ -241,7 +269,13 @@ class NodeDaemon:
         mine = [a for a in found if a.peer_id == self.peer_id]
         if not mine:
             return None
-        a = max(mine, key=lambda x: (x.issued_at, x.term, x.epoch))
+        # within a run the order is (term, epoch): a deposed coordinator (lower term) loses whatever its
+        # clock says; terms of different runs do not compare, so between runs the newest issued wins
+        best: dict[str, Assignment] = {}
+        for x in mine:
+            if x.run_id not in best or (x.term, x.epoch) > (best[x.run_id].term, best[x.run_id].epoch):
+                best[x.run_id] = x
+        a = max(best.values(), key=lambda x: x.issued_at)
         cur = self.assignment
         if cur is not None and a.run_id == cur.run_id and (a.term, a.epoch) <= (cur.term, cur.epoch):
             if (a.term, a.epoch) < (cur.term, cur.epoch):
@@ -322,7 +356,11 @@ class NodeDaemon:
                 reason = worker.run()
                 log.info("run %s replica %d stage %d: %s", a.run_id, a.replica, a.stage, reason)
             except (LinkError, ProtocolError, StoreError, TimeoutError) as e:  # the swarm around us failed
-                self._worker_failed(a, str(e))
+                if self._stopped_by_operator(a):  # a neighbour stopped first and closed our link
+                    self.metrics.state, self.metrics.error = "idle", ""
+                    log.info("run %s replica %d stage %d: stopped by operator", a.run_id, a.replica, a.stage)
+                else:
+                    self._worker_failed(a, str(e))
             except Exception as e:  # anything else (bad data, a malformed checkpoint, NaN weights, a bug)
                 log.exception("worker of run %s crashed", a.run_id)
                 self._worker_failed(a, f"{type(e).__name__}: {e}")
@@ -338,6 +376,16 @@ class NodeDaemon:
         )
         self._worker_thread = threading.Thread(target=run, name="worker", daemon=True)
         self._worker_thread.start()
+
+    def _stopped_by_operator(self, a: Assignment) -> bool:
+        """Whether the run was stopped (a link broken by a stopping neighbour is then no failure)."""
+        if self._stop_reason is not None:
+            return True
+        try:
+            return self._run_state(a.run_id) in ("stopping", "stopped")
+        except Exception as e:  # the DHT did not answer: report the failure as it is
+            log.warning("cannot read the state of run %s: %s", a.run_id, e)
+            return False
 
     def _worker_failed(self, a: Assignment, reason: str) -> None:
         """Report a failed assignment: `failed` with the reason in /status and in the DHT advert (the

@@ -7,45 +7,26 @@ Default corpus: the Python standard library's own source (present on every machi
 
 from __future__ import annotations
 
-import glob
+import logging
 import math
-import os
-import sysconfig
 from dataclasses import dataclass
-from pathlib import Path
 
 import torch
 
+from node.corpus_files import DataError, scan_corpus
+
+__all__ = ["MAX_CORPUS_BYTES", "Corpus", "DataError", "load_corpus"]
+
+log = logging.getLogger(__name__)
+
 MAX_CORPUS_BYTES = 64 * 1024 * 1024  # memory cap per process; plenty for CPU-sized runs
-_TEXT_SUFFIXES = (".py", ".txt", ".md", ".rst", ".json", ".toml", ".c", ".h", ".html")
-
-
-class DataError(ValueError):
-    """The corpus could not be loaded; the message says which path and why."""
-
-
-def corpus_files(source: str) -> list[Path]:
-    """Files of a corpus spec: "stdlib", a file, a directory (recursive) or a glob."""
-    if source == "stdlib":
-        root = Path(sysconfig.get_paths()["stdlib"])
-        return sorted(p for p in root.rglob("*.py") if "site-packages" not in p.parts)
-    path = Path(source)
-    if path.is_file():
-        return [path]
-    if path.is_dir():
-        return sorted(p for p in path.rglob("*") if p.is_file() and p.suffix in _TEXT_SUFFIXES)
-    matches = sorted(Path(p) for p in glob.glob(source, recursive=True) if os.path.isfile(p))
-    if not matches:
-        raise DataError(
-            f"--data {source!r} matches no file: give 'stdlib', a text file, a directory or a glob like 'corpus/*.txt'"
-        )
-    return matches
 
 
 def load_corpus(source: str, max_bytes: int = MAX_CORPUS_BYTES) -> torch.Tensor:
-    """All bytes of the corpus as a uint8 tensor (files in sorted order, capped at max_bytes)."""
+    """All bytes of the corpus's text files as a uint8 tensor (sorted order, capped at max_bytes)."""
     chunks, total = [], 0
-    for p in corpus_files(source):
+    scan = scan_corpus(source)
+    for p in scan.files:
         try:
             b = p.read_bytes()
         except OSError as e:
@@ -53,11 +34,9 @@ def load_corpus(source: str, max_bytes: int = MAX_CORPUS_BYTES) -> torch.Tensor:
         chunks.append(b)
         total += len(b)
         if total >= max_bytes:
+            log.warning("corpus %r: using its first %d MB (%s)", source, max_bytes >> 20, scan.summary())
             break
-    data = b"".join(chunks)[:max_bytes]
-    if len(data) < 1024:
-        raise DataError(f"corpus {source!r} holds only {len(data)} bytes; give at least a few KB of text")
-    return torch.frombuffer(bytearray(data), dtype=torch.uint8)
+    return torch.frombuffer(bytearray(b"".join(chunks)[:max_bytes]), dtype=torch.uint8)
 
 
 @dataclass

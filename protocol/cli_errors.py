@@ -8,13 +8,15 @@ stderr and exit 2; any other exception becomes one line and exit 1, with the tra
 
 from __future__ import annotations
 
+import argparse
 import errno
+import math
 import socket
 import sys
 import tomllib
 from collections.abc import Callable, Mapping, Sequence
 from pathlib import Path
-from typing import Any
+from typing import Any, NoReturn
 from urllib.parse import urlparse
 
 USAGE_EXIT = 2
@@ -30,6 +32,11 @@ def bad_input(name: str, value: object, problem: str, example: str | None = None
     return UsageError(f"{name} {value!r}: {problem}{hint}")
 
 
+def one_line(text: str) -> str:
+    """`text` with its lines joined by "; " (an error from a library may span several)."""
+    return "; ".join(part.strip() for part in str(text).splitlines() if part.strip())
+
+
 def run_cli(prog: str, main: Callable[[list[str] | None], int], argv: list[str] | None = None) -> int:
     """Call main(argv); user mistakes exit 2 with one line, other failures exit 1 with one line
     (the traceback only with --debug), Ctrl-C exits 130."""
@@ -40,7 +47,7 @@ def run_cli(prog: str, main: Callable[[list[str] | None], int], argv: list[str] 
     except UsageError as e:
         if debug:
             raise
-        print(f"{prog}: error: {e}", file=sys.stderr, flush=True)
+        print(f"{prog}: error: {one_line(str(e))}", file=sys.stderr, flush=True)
         return USAGE_EXIT
     except KeyboardInterrupt:
         return 130
@@ -48,7 +55,7 @@ def run_cli(prog: str, main: Callable[[list[str] | None], int], argv: list[str] 
         if debug:
             raise
         print(
-            f"{prog}: error: {type(e).__name__}: {e} (rerun with --debug for the traceback)",
+            f"{prog}: error: {type(e).__name__}: {one_line(str(e))} (rerun with --debug for the traceback)",
             file=sys.stderr,
             flush=True,
         )
@@ -127,3 +134,76 @@ def check_keys(where: str, data: Mapping[str, Any], allowed: Sequence[str]) -> N
             f"{where}: unknown {'key' if len(unknown) == 1 else 'keys'} {', '.join(map(repr, unknown))}; "
             f"valid: {', '.join(sorted(allowed))}"
         )
+
+
+EXAMPLE_PEER_ID = "12D3KooWDpJ7As7BWAwRMfu1VU2WCqNjvq387JEYKDBj4kx6nXTN"
+EXAMPLE_MULTIADDR = f"/ip4/203.0.113.7/tcp/31337/p2p/{EXAMPLE_PEER_ID}"
+"""The same example as `protocol.dht_client.EXAMPLE_MULTIADDR`, importable without hivemind."""
+
+
+class ArgumentParser(argparse.ArgumentParser):
+    """argparse whose own mistakes (a missing flag, a bad choice, a value of the wrong type) raise
+    UsageError, so `run_cli` prints one line instead of the usage block; subparsers inherit the class.
+    Abbreviated flags are off by default: `--operator-key` must not silently mean `--operator-key-file`."""
+
+    def __init__(self, *args: Any, **kwargs: Any) -> None:
+        kwargs.setdefault("allow_abbrev", False)
+        super().__init__(*args, **kwargs)
+
+    def error(self, message: str) -> NoReturn:
+        raise UsageError(f"{message} (see {self.prog} --help)")
+
+
+def check_multiaddr(flag: str, value: str, example: str = EXAMPLE_MULTIADDR) -> str:
+    """A peer's multiaddr with a TCP port and a peer id, as `--bootstrap` takes; the checks of
+    `protocol.dht_client.validate_multiaddr`, without importing hivemind."""
+    from multiaddr import Multiaddr  # light; hivemind (seconds to import) is not needed to parse
+
+    try:
+        m = Multiaddr(value)
+    except Exception as e:  # the library raises its own parse errors, with the value repeated
+        reason = str(e).split(f"{value!r}: ", 1)[-1].split(" (string: ", 1)[0]
+        raise bad_input(flag, value, f"not a valid multiaddr: {reason}", example) from e
+    protocols = [p.name for p in m.protocols()]
+    if "tcp" not in protocols or "p2p" not in protocols:
+        raise bad_input(flag, value, "must name a TCP port and the peer id (/tcp/PORT/p2p/PEER_ID)", example)
+    return str(m)
+
+
+def check_peer_id(flag: str, value: str, example: str = EXAMPLE_PEER_ID) -> bytes:
+    """An Ed25519 libp2p peer id ("12D3KooW..."); returns its public key."""
+    from protocol.identity import SignatureError, public_key_of_peer_id
+
+    try:
+        return public_key_of_peer_id(value)
+    except SignatureError as e:
+        raise bad_input(flag, value, "not an Ed25519 peer id (12D3KooW..., 52 characters)", example) from e
+
+
+def check_positive(flag: str, value: float | None, example: str, *, allow_zero: bool = False) -> None:
+    """A finite number > 0 (>= 0 with allow_zero); None (the flag was not given) passes."""
+    if value is None:
+        return
+    if not math.isfinite(value) or value < 0 or (value == 0 and not allow_zero):
+        if isinstance(value, int):
+            rule = "a whole number >= 0" if allow_zero else "a whole number >= 1"
+        else:
+            rule = "a finite number >= 0" if allow_zero else "a finite number > 0"
+        raise bad_input(flag, value, f"must be {rule}", example)
+
+
+def check_reachable(
+    flag: str, value: object, host: str, port: int, timeout_s: float, what: str, context: str = ""
+) -> None:
+    """Refuse unless a TCP connection to host:port opens within timeout_s. `what` names who should
+    answer ("the object store"); `context` starts the problem ("could not join the swarm: ")."""
+    advice = f"check that {what} is running and reachable from this host (address, port, firewall)"
+    try:
+        with socket.create_connection((host, port), timeout=timeout_s):
+            pass
+    except TimeoutError as e:
+        problem = f"{context}{host}:{port} did not answer within {timeout_s:g} s; {advice}"
+        raise bad_input(flag, value, problem) from e
+    except OSError as e:
+        problem = f"{context}cannot connect to {host}:{port} ({e.strerror or e}); {advice}"
+        raise bad_input(flag, value, problem) from e

@@ -22,6 +22,11 @@ def assignment_key(peer_id: str) -> str:
 
 
 # --- object store --------------------------------------------------------------------------------
+def preflight_key(peer_id: str) -> str:
+    """The small object a node puts and deletes at start to prove the store takes its writes."""
+    return f"_probe/preflight/{peer_id}"
+
+
 def spec_key(run: str) -> str:
     return f"{run}/spec"
 

@@ -157,10 +157,13 @@ class RunRecord:
     coordinator: str = ""
     """Peer id of the coordinator holding the run's lease."""
     updated: float = 0.0
+    reason: str = ""
+    """Why the run failed (the nodes' reported errors), for `status` and `--watch`."""
 
     def __post_init__(self) -> None:
         check_range("RunRecord.term", self.term, 0, MAX_COUNT)
         _check_text("RunRecord.coordinator", self.coordinator)
+        _check_text("RunRecord.reason", self.reason)
         check_range("RunRecord.updated", self.updated, 0, MAX_TIME_S)
 
 

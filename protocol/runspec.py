@@ -9,7 +9,7 @@ from __future__ import annotations
 import math
 import re
 import tomllib
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, fields
 from pathlib import Path
 from typing import Any, Literal
 
@@ -324,22 +324,85 @@ class RunSpec:
         return [(bounds[i], bounds[i + 1]) for i in range(s)]
 
 
+_SECTIONS: dict[str, type] = {
+    "model": ModelSpec,
+    "train": TrainSpec,
+    "sync": SyncSpec,
+    "pipeline": PipelineSpec,
+}
+"""The run.toml sections that hold a nested spec; [run] holds RunSpec's own fields."""
+
+
+def _run_keys() -> list[str]:
+    return [f.name for f in fields(RunSpec) if f.name not in _SECTIONS]
+
+
+def _check_layout(path: str | Path, data: dict[str, Any]) -> None:
+    """Reject unknown sections and keys, naming the valid ones: from_dict would reject them too, but
+    without saying what the section may hold."""
+    sections = ", ".join(f"[{s}]" for s in ("run", *_SECTIONS))
+    run_keys = _run_keys()
+    for name, value in data.items():
+        cls = _SECTIONS.get(name)
+        if cls is None and name != "run":
+            if name in run_keys and not isinstance(value, dict):
+                continue  # a [run] key written before the first section: accepted as such
+            what = "section" if isinstance(value, dict) else "top-level key"
+            raise ValueError(
+                f"{path}: unknown {what} {describe(name)}; valid sections: {sections} "
+                "(see docs/examples/run.toml)"
+            )
+        if not isinstance(value, dict):
+            raise ValueError(f"{path}: {describe(name)} must be a section ([{name}]), got {describe(value)}")
+        allowed = run_keys if cls is None else [f.name for f in fields(cls)]
+        unknown = [k for k in value if k not in allowed]
+        if unknown:
+            raise ValueError(
+                f"{path}: [{name}] has no key {', '.join(describe(k) for k in unknown[:5])}; "
+                f"valid: {', '.join(allowed)}"
+            )
+
+
+def _where(message: str) -> str:
+    """A SchemaError's message with the key as the file spells it: "RunSpec.sync: sync.tau=50 must ..."
+    becomes "sync.tau=50 must ...", "RunSpec.train.lr: expected a number" becomes "train.lr: ..."."""
+    if not message.startswith("RunSpec"):
+        return message
+    head, sep, rest = message[len("RunSpec") :].partition(": ")
+    key = head.lstrip(".")
+    if not sep or not key or rest.startswith(f"{key}.") or rest.startswith(f"{key}="):
+        return rest if sep else message
+    return f"{key}: {rest}"
+
+
 def load_run_spec(path: str | Path, **overrides: Any) -> RunSpec:
-    """Load a run.toml into a RunSpec; errors name the file and the bad field."""
+    """Load a run.toml into a RunSpec; every error is a one-line ValueError that names the file and the
+    section and key (unknown ones with the list of valid ones)."""
     try:
         with open(path, "rb") as f:
             data = tomllib.load(f)
     except FileNotFoundError as e:
-        raise ValueError(f"run spec file {path} does not exist (see docs/examples/run.toml)") from e
+        raise ValueError(
+            f"run spec file {str(path)!r} does not exist (example: docs/examples/run.toml)"
+        ) from e
+    except IsADirectoryError as e:
+        raise ValueError(f"run spec file {str(path)!r} is a folder, not a TOML file") from e
+    except OSError as e:
+        raise ValueError(f"run spec file {str(path)!r} cannot be read: {e.strerror}") from e
+    except UnicodeDecodeError as e:
+        raise ValueError(f"run spec file {str(path)!r} is not UTF-8 text: {e.reason}") from e
     except tomllib.TOMLDecodeError as e:
-        raise ValueError(f"run spec file {path} is not valid TOML: {e}") from e
+        raise ValueError(f"run spec file {str(path)!r} is not valid TOML: {e}") from e
+    _check_layout(path, data)
     flat = dict(data.pop("run", {}))
     flat.update(data)
     flat.update(overrides)
+    if "run_id" not in flat:
+        raise ValueError(f'{path}: [run] has no run_id (example: run_id = "tiny-llama-1")')
     try:
         return from_dict(RunSpec, flat)
     except SchemaError as e:
-        raise ValueError(f"{path}: {e}") from e
+        raise ValueError(f"{path}: {_where(str(e))}") from e
 
 
 __all__ = [

@@ -21,6 +21,8 @@ import tomllib
 import urllib.request
 from pathlib import Path
 
+from node.corpus_files import DataError, scan_corpus
+from protocol.cli_errors import UsageError, bad_input, check_file, run_cli
 from scripts.procs import Child, ProcessFailed
 
 NODE_PRICE_PER_HOUR = 0.10
@@ -120,6 +122,14 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
         "the host's GPUs, else the CPU)",
     )
     ap.add_argument(
+        "--spares",
+        type=int,
+        default=0,
+        help="start this many spare nodes: the coordinator rebuilds a replica that lost a node with one "
+        "(default 0; a node that dies is replaced by a new process either way)",
+    )
+    ap.add_argument("--debug", action="store_true", help="show tracebacks of unexpected errors")
+    ap.add_argument(
         "--no-calibrate",
         action="store_true",
         help="skip the planner's calibration and prediction before launch (saves ~20 s)",
@@ -183,6 +193,8 @@ class Swarm:
         self.health: list[str] = []
         self.generation = 0
         """How many times restart() brought the swarm back (log names get a -N suffix)."""
+        self.restarts = 0
+        """Coordinators started after the first died."""
 
     def _spawn(self, name: str, args: list[str], env: dict[str, str] | None = None) -> Child:
         c = Child(name, args, self.out, env)
@@ -227,6 +239,7 @@ class Swarm:
         self.coordinator.wait_for(r"crucible-coordinator ready", ready_timeout_s)
         for node in self.nodes:
             self.health.append(node.wait_for(r"health=(\S+)/health", ready_timeout_s).group(1))
+        self.write_pids()
 
     def add_node(self, i: int, *, store_url: str | None = None) -> Child:
         """Start node i; `store_url` gives it its own way to the store (tests put a fault proxy there)."""
@@ -255,6 +268,31 @@ class Swarm:
         )
         self.nodes.append(node)
         return node
+
+    def respawn_node(self, ready_timeout_s: float = 90) -> Child:
+        """Start one more node with a new identity (a node process died: the coordinator rebuilds its
+        replica with this one, resuming from the latest consensus checkpoint)."""
+        node = self.add_node(len(self.nodes))
+        self.health.append(node.wait_for(r"health=(\S+)/health", ready_timeout_s).group(1))
+        self.write_pids()
+        return node
+
+    def respawn_coordinator(self, ready_timeout_s: float = 90) -> Child:
+        """Start another coordinator with the operator key: it takes over the runs' leases when they
+        lapse and rebuilds their placement from the store (the nodes keep training meanwhile)."""
+        self.restarts += 1
+        self.coordinator = self._spawn(
+            self._name(f"coordinator-{self.restarts}"),
+            ["-m", "coordinator.cli", "serve", *self.swarm_flags(), *self.operator_flags()],
+        )
+        self.coordinator.wait_for(r"crucible-coordinator ready", ready_timeout_s)
+        self.write_pids()
+        return self.coordinator
+
+    def write_pids(self) -> None:
+        """processes.json: name -> pid of every live child (to kill one by hand, or from a test)."""
+        pids = {c.name: c.proc.pid for c in self.children if c.alive}
+        (self.out / "processes.json").write_text(json.dumps(pids, indent=1))
 
     def swarm_flags(self) -> list[str]:
         return ["--bootstrap", self.bootstrap, "--store-endpoint", self.store_url]
@@ -487,17 +525,57 @@ def _raise_interrupt(*_: object) -> None:
     raise KeyboardInterrupt("terminated")
 
 
+SETTLE_AFTER_FAULT_S = 35.0
+"""After a fault, the run counts as finished only when nothing trains for this long: the coordinator
+needs its churn grace (2 x 10 s) and a placement to rebuild a broken replica."""
+
+
+def preflight(args: argparse.Namespace) -> tuple[str, int, int, str]:
+    """Check every input before a process starts: (run_id, replicas, stages, data). UsageError names the
+    flag and the value."""
+    for flag, value, low in (
+        ("--replicas", args.replicas, 1),
+        ("--stages", args.stages, 1),
+        ("--steps", args.steps, 1),
+        ("--H", args.H, 1),
+        ("--eval-every-steps", args.eval_every_steps, 1),
+        ("--spares", args.spares, 0),
+    ):
+        if value < low:
+            raise bad_input(flag, value, f"must be at least {low}", f"{flag} {max(low, 2)}")
+    if args.timeout_s <= 0:
+        raise bad_input("--timeout-s", args.timeout_s, "must be positive", "--timeout-s 900")
+    if args.run_toml:
+        from protocol.runspec import load_run_spec
+
+        check_file("--run-toml", args.run_toml, "run spec")
+        try:
+            spec = load_run_spec(args.run_toml)
+        except (ValueError, OSError) as e:
+            raise bad_input("--run-toml", str(args.run_toml), str(e)) from e
+        run_id, replicas, stages, data = spec.run_id, spec.replicas, spec.stages, spec.train.data
+    else:
+        run_id = args.run_id or time.strftime("swarm-%Y%m%d-%H%M%S")
+        replicas, stages, data = args.replicas, args.stages, args.data
+    try:
+        scan = scan_corpus(data)
+    except DataError as e:
+        raise UsageError(str(e)) from e
+    print(f"crucible-swarm: data {data}: {scan.summary()}", flush=True)
+    return run_id, replicas, stages, data
+
+
 def main(argv: list[str] | None = None) -> int:
+    return run_cli("crucible-swarm", _main, argv)
+
+
+def _main(argv: list[str] | None) -> int:
     args = parse_args(argv)
-    run_id = args.run_id or time.strftime("swarm-%Y%m%d-%H%M%S")
+    run_id, replicas, stages, data = preflight(args)
     out = args.out or Path("runs") / run_id
     if args.run_toml:
         run_toml = args.run_toml
-        spec = tomllib.loads(run_toml.read_text())
-        run_id = spec["run"]["run_id"]
-        replicas, stages = spec["run"].get("replicas", 2), spec["run"].get("stages", 2)
     else:
-        replicas, stages = args.replicas, args.stages
         out.mkdir(parents=True, exist_ok=True)
         run_toml = out / "run.toml"
         run_toml.write_text(
@@ -509,7 +587,7 @@ def main(argv: list[str] | None = None) -> int:
                     steps=args.steps,
                     H=args.H,
                     sync=args.sync,
-                    data=args.data,
+                    data=data,
                     beta=args.beta,
                     eval_every=max(1, round(args.eval_every_steps / args.H)),
                 ),
@@ -520,11 +598,16 @@ def main(argv: list[str] | None = None) -> int:
             )
         )
     n = replicas * stages
-    print(f"crucible-swarm: run {run_id}: {replicas} replicas x {stages} stages; logs in {out}/", flush=True)
-    swarm = Swarm(out, n, device=args.device)
+    spares = f" + {args.spares} spare node(s)" if args.spares else ""
+    print(
+        f"crucible-swarm: run {run_id}: {replicas} replicas x {stages} stages{spares}; logs in {out}/",
+        flush=True,
+    )
+    swarm = Swarm(out, n + args.spares, device=args.device)
     signal.signal(signal.SIGTERM, _raise_interrupt)  # a killed swarm still stops every child it started
     t0 = time.monotonic()
     ok = False
+    faults: list[dict] = []
     try:
         swarm.start()
         print(
@@ -544,6 +627,7 @@ def main(argv: list[str] | None = None) -> int:
         last_print = 0.0
         clock = StepClock()
         cpu = CpuMeter({c.name: c.proc.pid for c in swarm.children})
+        quiet_since: float | None = None
         while time.monotonic() - t0 < args.timeout_s:
             sts = swarm.statuses()
             now = time.monotonic()
@@ -554,45 +638,133 @@ def main(argv: list[str] | None = None) -> int:
             if now - last_print >= 10:
                 print(progress_line(sts, now - t0, predicted), flush=True)
                 last_print = now
-            if len(ms) == n and all(m["run_id"] == run_id and m["state"] in ("done", "failed") for m in ms):
-                break
-            dead = [c.name for c in swarm.nodes if not c.alive]
-            if dead:
-                raise ProcessFailed(f"{', '.join(dead)} exited unexpectedly; see {out}/")
+            faults += supervise(swarm, now - t0)
+            faults += reported_failures(swarm, sts, faults, run_id, now - t0)
+            mine = [m for m in ms if m["run_id"] == run_id]
+            if not faults:
+                if len(mine) == n and all(m["state"] in ("done", "failed") for m in mine):
+                    break
+            elif (finished := complete_replicas(mine, stages)) and not any(
+                m["state"] in ("assigned", "training") for m in mine
+            ):
+                if len(finished) == replicas:
+                    break
+                quiet_since = quiet_since or now  # the survivors are done: give a rebuild its chance
+                if now - quiet_since > SETTLE_AFTER_FAULT_S:
+                    break
+            else:
+                quiet_since = None
             time.sleep(1)
         else:
             raise ProcessFailed(f"run did not finish within {args.timeout_s:.0f} s")
-        ms = [s["metrics"] for s in swarm.statuses() if s]
+        ms = [m for s in swarm.statuses() if s and (m := s["metrics"])["run_id"] == run_id]
         report = build_report(run_id, ms, time.monotonic() - t_launch, swarm.store_url)
+        report["faults"] = faults
         report.update(throughput_report(clock, run_toml, prediction, n * NODE_PRICE_PER_HOUR))
         report.update(cpu.report())
         (out / "steps.json").write_text(json.dumps(clock.as_dict(t_launch)))
         (out / "report.json").write_text(json.dumps(report, indent=2))
         print_report(report, out)
-        ok = report["all_done"]
+        ok = report["completed"]
     except (ProcessFailed, KeyboardInterrupt) as e:
         print(f"crucible-swarm: {e}", file=sys.stderr)
     finally:
         codes = swarm.stop()
-        unclean = {k: v for k, v in codes.items() if v not in (0, -15)}
+        unclean = {
+            k: v for k, v in codes.items() if v not in (0, -15) and not any(f["process"] == k for f in faults)
+        }
         if unclean:
             print(f"  processes that did not exit cleanly: {unclean}", file=sys.stderr)
     return 0 if ok else 1
 
 
+MAX_RESPAWNS = 8
+"""Node processes crucible-swarm starts in place of dead ones (a crash loop must not run forever)."""
+
+
+def supervise(swarm: Swarm, elapsed: float) -> list[dict]:
+    """Notice children that died, say so, and keep the swarm going: a new node in place of a dead one
+    (the coordinator rebuilds its replica from the checkpoint), a new coordinator in place of a dead one
+    (it takes the lease over when it lapses). Returns the faults seen now."""
+    seen: list[dict] = []
+    for c in list(swarm.nodes):
+        if c.alive or getattr(c, "reported", False):
+            continue
+        c.reported = True  # type: ignore[attr-defined]
+        fault = {"at_s": round(elapsed, 1), "process": c.name, "event": f"exited with {c.proc.returncode}"}
+        respawned = len(swarm.nodes) - swarm.n_nodes
+        if respawned < MAX_RESPAWNS:
+            node = swarm.respawn_node()
+            fault["action"] = f"started {node.name}; the coordinator rebuilds the replica from its checkpoint"
+        else:
+            fault["action"] = f"none: {MAX_RESPAWNS} nodes restarted already"
+        seen.append(fault)
+    if not swarm.coordinator.alive:
+        old = swarm.coordinator
+        fault = {
+            "at_s": round(elapsed, 1),
+            "process": old.name,
+            "event": f"exited with {old.proc.returncode}",
+        }
+        new = swarm.respawn_coordinator()
+        fault["action"] = f"started {new.name}; it takes the run over when the lease lapses"
+        seen.append(fault)
+    for f in seen:
+        print(f"[{f['at_s']:5.0f}s] FAULT {f['process']} {f['event']}: {f['action']}", flush=True)
+    return seen
+
+
+def reported_failures(
+    swarm: Swarm, statuses: list[dict | None], known: list[dict], run_id: str, elapsed: float
+) -> list[dict]:
+    """Workers that report `failed` (with the reason their node gives), each once per node and reason."""
+    seen = {(f["process"], f["event"]) for f in known}
+    new = []
+    for node, st in zip(swarm.nodes, statuses, strict=False):
+        m = st["metrics"] if st else None
+        if not m or m["run_id"] != run_id or m["state"] != "failed":
+            continue
+        event = f"reported failed (replica {m['replica']}, stage {m['stage']}): {m['error'] or 'no reason'}"
+        if (node.name, event) not in seen:
+            f = {
+                "at_s": round(elapsed, 1),
+                "process": node.name,
+                "event": event,
+                "action": "the coordinator rebuilds or drops its replica",
+            }
+            print(f"[{f['at_s']:5.0f}s] FAULT {f['process']} {f['event']}", flush=True)
+            new.append(f)
+    return new
+
+
+def complete_replicas(ms: list[dict], stages: int) -> set[int]:
+    """Replicas whose every stage is done."""
+    done = {(m["replica"], m["stage"]) for m in ms if m["state"] == "done"}
+    return {r for r, _ in done if all((r, s) in done for s in range(stages))}
+
+
 def build_report(run_id: str, ms: list[dict], seconds: float, store_url: str) -> dict:
-    last = [m for m in ms if m["stage"] == max(x["stage"] for x in ms)]
+    """Figures of the run from its live nodes' metrics; quality and consensus from the replicas that
+    finished (a replica that dropped out after a fault has no final weights to compare)."""
+    if not ms:
+        raise ProcessFailed(f"no live node reports run {run_id}; see the logs")
+    stages = max(x["stage"] for x in ms) + 1
+    complete = complete_replicas(ms, stages)
+    finished = [m for m in ms if m["replica"] in complete and m["state"] == "done"]
+    last = [m for m in finished or ms if m["stage"] == stages - 1]
     hist = {m["replica"]: m["val_history"] for m in last}
     start = [h[0][1] for h in hist.values() if h]
     end = [h[-1][1] for h in hist.values() if h]
     steps = max(m["step"] for m in ms)
     replicas = len({m["replica"] for m in ms})
     by_stage: dict[int, set[str]] = {}
-    for m in ms:
+    for m in finished:
         by_stage.setdefault(m["stage"], set()).add(m["weights_sha256"])
     return {
         "run_id": run_id,
         "all_done": all(m["state"] == "done" for m in ms),
+        "completed": bool(complete),
+        "replicas_done": sorted(complete),
         "seconds": round(seconds, 1),
         "steps": steps,
         "tokens": sum(m["step"] for m in ms if m["stage"] == 0) * 8 * 256,
@@ -601,7 +773,7 @@ def build_report(run_id: str, ms: list[dict], seconds: float, store_url: str) ->
         "val_bpb_drop": round(1 - sum(end) / sum(start), 4) if start and end else None,
         "val_history": hist,
         "replicas": replicas,
-        "consensus_identical": all(len(v) == 1 and "" not in v for v in by_stage.values()),
+        "consensus_identical": bool(by_stage) and all(len(v) == 1 and "" not in v for v in by_stage.values()),
         "bytes_pipeline": sum(m["bytes_pipe_sent"] for m in ms),
         "bytes_store_up": sum(m["bytes_store_up"] for m in ms),
         "bytes_store_down": sum(m["bytes_store_down"] for m in ms),
@@ -613,10 +785,18 @@ def build_report(run_id: str, ms: list[dict], seconds: float, store_url: str) ->
 
 def print_report(r: dict, out: Path) -> None:
     print("\n== crucible-swarm report ==")
-    print(
-        f"run {r['run_id']}: {'done' if r['all_done'] else 'INCOMPLETE'} in {r['seconds']:.0f} s, {r['steps']} steps, "
-        f"{r['tokens'] / 1e6:.2f} M tokens"
+    state = (
+        "done"
+        if r["all_done"]
+        else f"done by replica(s) {r['replicas_done']}"
+        if r["completed"]
+        else "INCOMPLETE"
     )
+    print(
+        f"run {r['run_id']}: {state} in {r['seconds']:.0f} s, {r['steps']} steps, {r['tokens'] / 1e6:.2f} M tokens"
+    )
+    for f in r.get("faults", []):
+        print(f"fault at {f['at_s']:.0f} s: {f['process']} {f['event']}; {f['action']}")
     if r["val_bpb_start"] is not None:
         print(
             f"validation bits/byte: {r['val_bpb_start']:.3f} -> {r['val_bpb_end']:.3f} ({100 * r['val_bpb_drop']:.1f}% lower)"

@@ -376,10 +376,10 @@ def test_the_run_id_pattern_takes_no_trailing_newline() -> None:
 @pytest.mark.parametrize(
     ("flags", "named"),
     [
-        (["--price-per-hour", "-1"], "price_per_hour (--price-per-hour)=-1"),
-        (["--price-per-hour", "nan"], "price_per_hour: nan is not a finite number"),
-        (["--port", "70000"], "port (--port)=70000"),
-        (["--health-port", "-5"], "health_port (--health-port)=-5"),
+        (["--price-per-hour", "-1"], "--price-per-hour '-1': must be a finite number"),
+        (["--price-per-hour", "nan"], "--price-per-hour 'nan': must be a finite number"),
+        (["--port", "70000"], "--port '70000': not a TCP port"),
+        (["--health-port", "-5"], "--health-port '-5': not a TCP port"),
     ],
 )
 def test_a_node_s_own_out_of_range_figures_stop_its_start(
@@ -395,4 +395,5 @@ def test_a_node_s_own_out_of_range_figures_stop_its_start(
     argv = ["join", "--operator-key", operator, "--bootstrap", bootstrap, *flags]
     assert main(argv) == 2
     err = capsys.readouterr().err
-    assert err.startswith("error: ") and named in err and "Traceback" not in err
+    assert err.startswith("crucible-node: error: ") and named in err and "Traceback" not in err
+    assert len(err.strip().splitlines()) == 1

@@ -353,6 +353,27 @@ def test_a_crashed_worker_is_reported_failed_with_its_reason(swarm: Swarm, tmp_p
     text = RUN_TOML.format(run_id="swarm-z", steps=20, H=5, timeout=30)
     toml.write_text(text.replace("eval_batches = 2\n", f'eval_batches = 2\ndata = "{missing}"\n'))
     swarm.launch(toml)
+    launched = time.monotonic()
+
+    def status() -> str:
+        c = subprocess.run(
+            [sys.executable, "-m", "coordinator.cli", "status", "swarm-z", "--bootstrap", swarm.bootstrap]
+            + ["--operator-key", swarm.operator.peer_id],
+            capture_output=True,
+            text=True,
+            timeout=60,
+        )
+        assert c.returncode == 0, c.stderr
+        return c.stdout
+
+    # issue 12 acceptance 3: the operator sees `failed` and the reason in `status` within 30 s of launch
+    shown = wait_until(
+        lambda: out if re.search(r"failed: .*matches no file", out := status()) else None,
+        30,
+        "`crucible-coordinator status` to show the failed workers with their reason",
+        poll_s=0.1,
+    )
+    assert time.monotonic() - launched < 30, shown
 
     def reported() -> list[dict] | None:
         ms = run_metrics(swarm, "swarm-z")
@@ -369,6 +390,14 @@ def test_a_crashed_worker_is_reported_failed_with_its_reason(swarm: Swarm, tmp_p
         60,
         "the coordinator to read the reason from the nodes' adverts",
     )
+    # restarted once, failed again the same way: the run fails with the reason instead of restarting forever
+    shown = wait_until(
+        lambda: out if "run swarm-z: failed" in (out := status()) else None,
+        90,
+        "the run to be marked failed",
+        poll_s=1.0,
+    )
+    assert "reason: every replica lost a node: DataError: --data" in shown, shown
     c = subprocess.run(
         [
             sys.executable,
@@ -509,6 +538,10 @@ def test_without_spares_a_crashed_replica_drops_out_and_stop_works(swarm: Swarm,
         "nodes to stop training",
     )
     assert all(swarm.nodes[i].alive for i in alive)
+    # stopped, not failed: a stage whose neighbour stopped first (and closed the link) is no failure
+    r0_nodes = [i for i in alive if i != neighbour]
+    ends = [swarm.statuses()[i]["metrics"] for i in r0_nodes]  # type: ignore[index]
+    assert [(m["state"], m["error"]) for m in ends] == [("idle", "")] * len(r0_nodes), ends
 
 
 def test_a_replica_killed_right_after_its_upload_is_consumed_then_missed(

@@ -1,0 +1,81 @@
+"""The operator's key: the one Ed25519 identity every node of the operator's swarm trusts.
+
+Nodes accept run records and assignments only when this key signed them (`crucible-node join
+--operator-key PEER_ID`). A key made up on the spot is trusted by no node, so only `crucible-coordinator
+init` creates one (`create_operator_key`); every other command loads it (`load_operator_key`) and refuses
+to start without it, naming the file and the command that creates it.
+"""
+
+from __future__ import annotations
+
+import os
+from pathlib import Path
+
+from protocol.cli_errors import bad_input
+from protocol.identity import Identity
+
+DEFAULT_OPERATOR_KEY_FILE = "~/.crucible/operator.key"
+"""Where `init` writes the key and the other commands read it when --operator-key-file is not given."""
+FLAG = "--operator-key-file"
+SEED_BYTES = 32
+"""The file holds the raw Ed25519 seed, as `Identity.load_or_create` writes it (mode 0600)."""
+
+
+def _init_hint(path: str | Path) -> str:
+    flag = "" if str(path) == DEFAULT_OPERATOR_KEY_FILE else f" {FLAG} {path}"
+    return f"crucible-coordinator init{flag}"
+
+
+def load_operator_key(path: str | Path = DEFAULT_OPERATOR_KEY_FILE) -> Identity:
+    """The operator key at `path` (`~` expanded); a UsageError naming --operator-key-file, and saying how
+    to create the key, when the file is missing or is not a key. Never creates one."""
+    p = Path(path).expanduser()
+    if not p.exists():
+        raise bad_input(
+            FLAG,
+            str(path),
+            f"no operator key there, and only `{_init_hint(path)}` creates one (a new key is trusted by "
+            "no node: providers give their nodes its peer id); run it once, or point "
+            f"{FLAG} at the existing key",
+        )
+    if not p.is_file():
+        raise bad_input(
+            FLAG, str(path), "is a folder, not a key file", f"{FLAG} {Path(path) / 'operator.key'}"
+        )
+    try:
+        seed = p.read_bytes()
+    except OSError as e:
+        raise bad_input(FLAG, str(path), f"cannot be read: {e.strerror}") from e
+    if len(seed) != SEED_BYTES:
+        raise bad_input(
+            FLAG,
+            str(path),
+            f"holds {len(seed)} bytes, not a {SEED_BYTES}-byte Ed25519 seed (the file "
+            "`crucible-coordinator init` writes)",
+        )
+    return Identity.from_seed(seed)
+
+
+def create_operator_key(path: str | Path = DEFAULT_OPERATOR_KEY_FILE) -> tuple[Identity, bool]:
+    """A new operator key written to `path` (mode 0600, folders created), or the key already there:
+    (identity, created). An existing file is never overwritten."""
+    p = Path(path).expanduser()
+    if p.exists():
+        return load_operator_key(path), False
+    try:
+        p.parent.mkdir(parents=True, exist_ok=True)
+    except OSError as e:
+        raise bad_input(FLAG, str(path), f"cannot create its folder: {e.strerror}") from e
+    ident = Identity.generate()
+    try:
+        fd = os.open(p, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600)
+    except FileExistsError:  # another init won the race: its key stands
+        return load_operator_key(path), False
+    except OSError as e:
+        raise bad_input(FLAG, str(path), f"cannot be created: {e.strerror}") from e
+    with os.fdopen(fd, "wb") as f:
+        f.write(ident.seed)
+    return ident, True
+
+
+__all__ = ["DEFAULT_OPERATOR_KEY_FILE", "create_operator_key", "load_operator_key"]

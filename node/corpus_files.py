@@ -1,0 +1,107 @@
+"""Which files a corpus spec names, and whether they hold text: checked before any process starts.
+
+A spec is "stdlib" (the Python standard library's source), a file, a directory (every readable text file
+under it, whatever its suffix: licence texts and READMEs have none) or a glob. A file counts as text
+when its first 8 KiB hold no NUL byte and decode as UTF-8; anything else is skipped in a directory and
+refused when named alone. No torch here: `crucible-swarm` runs this before it starts anything.
+"""
+
+from __future__ import annotations
+
+import glob
+import os
+import sysconfig
+from dataclasses import dataclass, field
+from pathlib import Path
+
+SNIFF_BYTES = 8192
+MIN_CORPUS_BYTES = 1024 * 16
+"""Fewer bytes than this cannot fill a validation split and a training batch."""
+
+
+class DataError(ValueError):
+    """The corpus could not be loaded; the message says which path, what was found and what to do."""
+
+
+@dataclass
+class CorpusScan:
+    """What a corpus spec holds: the text files used and what was skipped, with sizes."""
+
+    source: str
+    files: list[Path] = field(default_factory=list)
+    bytes: int = 0
+    binary: list[Path] = field(default_factory=list)
+    unreadable: list[Path] = field(default_factory=list)
+
+    def summary(self) -> str:
+        skipped = []
+        if self.binary:
+            skipped.append(f"{len(self.binary)} binary")
+        if self.unreadable:
+            skipped.append(f"{len(self.unreadable)} unreadable")
+        rest = f" (skipped {', '.join(skipped)})" if skipped else ""
+        size = f"{self.bytes / 1e6:.1f} MB" if self.bytes >= 1e6 else f"{self.bytes / 1e3:.1f} KB"
+        return f"{len(self.files)} text files, {size}{rest}"
+
+
+def is_text(head: bytes) -> bool:
+    """No NUL byte and valid UTF-8 (a multi-byte character cut at the end of `head` is allowed)."""
+    if b"\0" in head:
+        return False
+    try:
+        head.decode("utf-8")
+    except UnicodeDecodeError as e:
+        return e.start >= len(head) - 3 and e.reason == "unexpected end of data"
+    return True
+
+
+def _candidates(source: str) -> tuple[list[Path], bool]:
+    """(files, named_alone): the files a spec names; named_alone when the user named one file."""
+    if source == "stdlib":
+        root = Path(sysconfig.get_paths()["stdlib"])
+        return sorted(p for p in root.rglob("*.py") if "site-packages" not in p.parts), False
+    path = Path(source).expanduser()
+    if path.is_file():
+        return [path], True
+    if path.is_dir():
+        hidden = lambda p: any(part.startswith(".") for part in p.relative_to(path).parts)  # noqa: E731
+        return sorted(p for p in path.rglob("*") if p.is_file() and not hidden(p)), False
+    matches = sorted(
+        Path(p) for p in glob.glob(os.path.expanduser(source), recursive=True) if os.path.isfile(p)
+    )
+    if not matches:
+        what = "does not exist" if not any(c in source for c in "*?[") else "matches no file"
+        raise DataError(
+            f"--data {source!r} {what}: give 'stdlib', a text file, a directory or a glob like 'corpus/*.txt'"
+        )
+    return matches, False
+
+
+def scan_corpus(source: str, *, min_bytes: int = MIN_CORPUS_BYTES) -> CorpusScan:
+    """The text files of `source` and their total size; DataError (with the counts found) when they
+    hold fewer than `min_bytes`, or when a file named alone is not text."""
+    files, alone = _candidates(source)
+    scan = CorpusScan(source)
+    for p in files:
+        try:
+            with p.open("rb") as f:
+                head = f.read(SNIFF_BYTES)
+            size = p.stat().st_size
+        except OSError:
+            scan.unreadable.append(p)
+            continue
+        if source != "stdlib" and not is_text(head):  # (a few stdlib test files are Latin-1 on purpose)
+            scan.binary.append(p)
+            continue
+        scan.files.append(p)
+        scan.bytes += size
+    if alone and scan.binary:
+        raise DataError(f"--data {source!r} is not text (NUL bytes or invalid UTF-8 in its first 8 KiB)")
+    if alone and scan.unreadable:
+        raise DataError(f"--data {source!r} cannot be read (check its permissions)")
+    if scan.bytes < min_bytes:
+        raise DataError(
+            f"--data {source!r}: found {len(files)} files, {scan.summary()}; need at least "
+            f"{min_bytes // 1024} KB of UTF-8 text (example: --data ~/corpus or --data 'books/*.txt')"
+        )
+    return scan

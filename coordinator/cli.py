@@ -3,6 +3,11 @@
 crucible-coordinator init [--operator-key-file KEY]      create the operator key once; prints the peer id
                                                          providers give their nodes (--operator-key)
 crucible-coordinator serve  --bootstrap MA --store-endpoint URL [--operator-key-file KEY]
+crucible-coordinator certify PEER_ID --expires 7d|2026-12-31T00:00Z --run RUN|--any-run --out CERT
+                             [--operator-key-file KEY]   certify a coordinator's own key (no operator key
+                                                         on the coordinator host)
+crucible-coordinator serve  --key-file NODE_KEY --certificate CERT --operator-key 12D3KooW... \
+                            --bootstrap MA --store-endpoint URL
 crucible-coordinator launch run.toml --bootstrap MA --store-endpoint URL [--operator-key-file KEY] [--watch]
 crucible-coordinator status [RUN] --bootstrap MA --operator-key 12D3KooW...
 crucible-coordinator stop RUN --bootstrap MA --store-endpoint URL [--operator-key-file KEY]
@@ -26,7 +31,13 @@ import time
 from pathlib import Path
 from typing import TYPE_CHECKING
 
-from coordinator.operator_key import DEFAULT_OPERATOR_KEY_FILE, create_operator_key, load_operator_key
+from coordinator.operator_key import (
+    DEFAULT_OPERATOR_KEY_FILE,
+    create_operator_key,
+    load_certificate,
+    load_operator_key,
+    load_signing_key,
+)
 from protocol import keys
 from protocol.cli_errors import (
     EXAMPLE_MULTIADDR,
@@ -39,8 +50,9 @@ from protocol.cli_errors import (
     check_url,
     run_cli,
 )
+from protocol.delegation import OperatorTrust, RefusalLog, issue, utc
 from protocol.identity import Identity
-from protocol.messages import NodeAdvert, RunRecord
+from protocol.messages import ANY_RUN, MAX_DELEGATION_S, NodeAdvert, RunRecord
 from protocol.runspec import check_run_id, load_run_spec
 
 if TYPE_CHECKING:  # hivemind and boto3 take seconds to import: only the commands that talk import them
@@ -129,6 +141,49 @@ def build_parser() -> argparse.ArgumentParser:
         default=10.0,
         help="how long an assigned node may be silent before it counts as gone",
     )
+    s.add_argument(
+        "--key-file",
+        metavar="PATH",
+        help="sign with this key (a node's key file, never created) under --certificate, instead of the "
+        "operator's key: the operator key need not be on this host",
+    )
+    s.add_argument(
+        "--certificate",
+        metavar="PATH",
+        help="the certificate `crucible-coordinator certify` issued for --key-file's peer id; checked at "
+        "start (missing, expired, for another key or not signed by --operator-key: one line, exit 2)",
+    )
+    s.add_argument(
+        "--operator-key",
+        default="",
+        metavar="PEER_ID",
+        help="with --certificate: peer id (12D3KooW...) of the operator whose runs this coordinator serves "
+        "(the --operator-key its nodes trust)",
+    )
+    s.set_defaults(operator_key_file=None)  # given explicitly, or DEFAULT when signing with the operator key
+
+    ce = sub.add_parser(
+        "certify",
+        help="certify a coordinator's own key for a while (and a run, or any run): it then signs for the "
+        "operator without the operator key on its host",
+        epilog=f"example: {PROG} certify 12D3KooW... --expires 7d --any-run --out coordinator.cert",
+    )
+    ce.add_argument("peer_id", metavar="PEER_ID", help="peer id (12D3KooW...) of the coordinator's key")
+    ce.add_argument(
+        "--expires",
+        required=True,
+        metavar="WHEN",
+        help="a lifetime (90m, 12h, 7d, 2w) or a UTC time (2026-12-31T00:00Z, 2026-12-31); at most 366 days",
+    )
+    scope = ce.add_mutually_exclusive_group(required=True)
+    scope.add_argument("--run", metavar="RUN", help="valid for this run only (example: --run tiny-llama-1)")
+    scope.add_argument("--any-run", action="store_true", help="valid for every run of this operator")
+    ce.add_argument("--out", required=True, metavar="PATH", help="where to write the certificate (replaced)")
+    _key_file_arg(
+        ce,
+        f"operator key that signs the certificate (default {DEFAULT_OPERATOR_KEY_FILE}); never created here",
+    )
+    _common_args(ce, log_level=False)
 
     la = sub.add_parser("launch", help="launch a run described by a TOML file (see docs/examples/run.toml)")
     la.add_argument("run_toml", type=Path, help="run spec file ([run], [model], [train], [sync], [pipeline])")
@@ -141,8 +196,8 @@ def build_parser() -> argparse.ArgumentParser:
         "--operator-key",
         default="",
         metavar="PEER_ID",
-        help="peer id (12D3KooW...) of the operator: show only run records it signed; without it, run "
-        "records signed by any key are shown, marked unverified",
+        help="peer id (12D3KooW...) of the operator: show only run records it or a coordinator it certified "
+        "signed; without it, run records signed by any key are shown, marked unverified",
     )
     _swarm_args(st, store=False, key=False)
 
@@ -192,6 +247,70 @@ def _check_out(value: str) -> None:
         raise bad_input("--out", value, f"cannot be written: {parent} is not writable by this user", example)
 
 
+_DURATION = re.compile(r"(\d+(?:\.\d+)?)([smhdw])")
+_UNIT_S = {"s": 1, "m": 60, "h": 3600, "d": 86400, "w": 7 * 86400}
+
+
+def parse_expiry(value: str, now: float) -> float:
+    """--expires: a lifetime from now ("7d", "12h") or a UTC time ("2026-12-31T00:00Z"; a time without a
+    zone is UTC), in the future and at most MAX_DELEGATION_S away."""
+    example = "--expires 7d or --expires 2026-12-31T00:00Z"
+    m = _DURATION.fullmatch(value.strip())
+    if m:
+        at = now + float(m.group(1)) * _UNIT_S[m.group(2)]
+    else:
+        from datetime import UTC, datetime
+
+        try:
+            when = datetime.fromisoformat(value.strip())
+        except ValueError as e:
+            raise bad_input(
+                "--expires", value, "neither a lifetime (90m, 12h, 7d, 2w) nor a UTC time", example
+            ) from e
+        at = (when if when.tzinfo else when.replace(tzinfo=UTC)).timestamp()
+    if not now < at <= now + MAX_DELEGATION_S:
+        raise bad_input(
+            "--expires",
+            value,
+            f"must lie in the future and at most 366 days ahead (it is {utc(at)})",
+            example,
+        )
+    return at
+
+
+def _check_serve_keys(args: argparse.Namespace) -> None:
+    """serve signs with the operator key (--operator-key-file), or with its own key under a certificate
+    (--key-file, --certificate, --operator-key): sets args.signer, args.certificate_bytes, args.trust."""
+    if not (args.key_file or args.certificate):
+        if args.operator_key:
+            raise UsageError(
+                "--operator-key is for a coordinator signing under --certificate; with the operator's own key "
+                "(--operator-key-file) leave it out"
+            )
+        args.signer = load_operator_key(args.operator_key_file or DEFAULT_OPERATOR_KEY_FILE)
+        args.certificate_bytes, args.trust = b"", None
+        return
+    example = "--key-file ~/.crucible/node.key --certificate coordinator.cert --operator-key 12D3KooW..."
+    if args.operator_key_file is not None:
+        raise UsageError(
+            "--operator-key-file and --certificate both given: a coordinator signs either with the operator "
+            f"key or with its own certified key (example: {example})"
+        )
+    for flag, value in (("--key-file", args.key_file), ("--certificate", args.certificate)):
+        if not value:
+            raise UsageError(
+                f"{flag} is missing: --key-file and --certificate go together (example: {example})"
+            )
+    if not args.operator_key:
+        raise UsageError(
+            "--certificate needs --operator-key PEER_ID: the operator whose runs this coordinator serves, the "
+            f"peer id its nodes trust (example: {example})"
+        )
+    args.signer = load_signing_key(args.key_file)
+    args.trust = OperatorTrust.of_peer_ids(args.operator_key)
+    args.certificate_bytes = load_certificate(args.certificate, args.signer, args.trust)
+
+
 def check_args(args: argparse.Namespace) -> None:
     """Every check that needs no network and no heavy import, before any command starts: the flags'
     syntax, the run spec, the operator key. Loads what later steps use (`args.spec`, `args.operator`)."""
@@ -237,7 +356,22 @@ def check_args(args: argparse.Namespace) -> None:
             args.spec = load_run_spec(args.run_toml)
         except ValueError as e:
             raise UsageError(str(e)) from e
-    if args.command in ("serve", "launch", "stop"):
+    if args.command == "certify":
+        check_peer_id("PEER_ID", args.peer_id)
+        if args.run:
+            try:
+                check_run_id("--run", args.run)
+            except ValueError as e:
+                raise UsageError(str(e)) from e
+        args.expires_at = parse_expiry(args.expires, time.time())
+        out = Path(args.out).expanduser()
+        if out.is_dir() or not out.parent.is_dir():
+            raise bad_input(
+                "--out", args.out, "must be a file in an existing folder", "--out coordinator.cert"
+            )
+    if args.command == "serve":
+        _check_serve_keys(args)
+    if args.command in ("launch", "stop", "certify"):
         args.operator = load_operator_key(args.operator_key_file)
 
 
@@ -255,10 +389,13 @@ def _store(args: argparse.Namespace) -> ObjectStore:
     )
 
 
-def _dht(args: argparse.Namespace, identity: Identity | None = None) -> DHTClient:
+def _dht(args: argparse.Namespace, identity: Identity | None = None, *, client: bool = True) -> DHTClient:
     from protocol.dht_client import DHTClient
 
-    return DHTClient(identity or Identity.generate(), bootstrap=args.bootstrap, host=args.host)
+    # status, launch, stop: a client of the DHT, not a peer that others route through (serve is a peer)
+    return DHTClient(
+        identity or Identity.generate(), bootstrap=args.bootstrap, host=args.host, client_mode=client
+    )
 
 
 UNVERIFIED_NOTE = (
@@ -311,13 +448,14 @@ def format_status(
 
 
 def _read_views(
-    dht: DHTClient, trusted: set[bytes] | None
+    dht: DHTClient, trust: OperatorTrust | None
 ) -> tuple[dict[str, RunRecord], dict[str, NodeAdvert], dict[str, str]]:
-    """Run records (signed by a `trusted` key; any signer if None), node adverts (each signed by the node
-    it describes), and the signer of each run record shown."""
+    """Run records (signed by the operator or a coordinator it certified for the run; any signer if `trust`
+    is None), node adverts (each signed by the node it describes), and the signer of each run record shown."""
     runs: dict[str, RunRecord] = {}
     signers: dict[str, str] = {}
-    for signed in dht.get_all(keys.RUNS_KEY, RunRecord, trusted).values():
+    found = dht.get_all(keys.RUNS_KEY, RunRecord).values()
+    for signed in found if trust is None else trust.filter(found, RefusalLog(log)):
         rec = signed.body
         if rec.spec.run_id not in runs or rec.updated > runs[rec.spec.run_id].updated:
             runs[rec.spec.run_id] = rec
@@ -342,17 +480,46 @@ def cmd_init(args: argparse.Namespace) -> int:
     return 0
 
 
+def cmd_certify(args: argparse.Namespace) -> int:
+    operator: Identity = args.operator
+    run = args.run or ANY_RUN
+    cert = issue(operator, args.peer_id, expires_at=args.expires_at, run=run)
+    out = Path(args.out).expanduser()
+    tmp = out.with_name(out.name + ".tmp")
+    tmp.write_bytes(cert)
+    os.replace(tmp, out)
+    scope = f"run {run}" if args.run else "any run"
+    print(f"certified {args.peer_id} as coordinator for {scope} until {utc(args.expires_at)}: wrote {out}")
+    print(
+        f"on its host: crucible-coordinator serve --key-file NODE_KEY --certificate {out.name} "
+        f"--operator-key {operator.peer_id} --bootstrap ... --store-endpoint ..."
+    )
+    return 0
+
+
 def cmd_serve(args: argparse.Namespace) -> int:
     from coordinator.service import Coordinator
 
-    ident: Identity = args.operator
+    ident: Identity = args.signer
     store = _store(args)
     store.ensure_bucket()
-    dht = _dht(args)
-    coord = Coordinator(ident, dht, store, lease_s=args.lease_s, churn_grace_s=args.churn_grace_s)
+    dht = _dht(args, client=False)
+    coord = Coordinator(
+        ident,
+        dht,
+        store,
+        lease_s=args.lease_s,
+        churn_grace_s=args.churn_grace_s,
+        certificate=args.certificate_bytes,
+        trust=args.trust,
+    )
     for sig in (signal.SIGINT, signal.SIGTERM):
         signal.signal(sig, lambda *_: coord.stop_event.set())
-    print(f"crucible-coordinator ready: operator={ident.peer_id} dht={dht.peer_id}", flush=True)
+    if args.certificate_bytes:
+        who = f"coordinator={ident.peer_id} certified by operator={args.operator_key}"
+    else:
+        who = f"operator={ident.peer_id}"
+    print(f"crucible-coordinator ready: {who} dht={dht.peer_id}", flush=True)
     try:
         coord.serve()
     finally:
@@ -376,7 +543,7 @@ def cmd_launch(args: argparse.Namespace) -> int:
         )
         if args.watch:
             while True:  # run records count only when signed by this operator (its coordinators sign so)
-                runs, nodes, _ = _read_views(dht, {ident.public_key})
+                runs, nodes, _ = _read_views(dht, OperatorTrust.of({ident.public_key}))
                 print(format_status(runs, nodes, spec.run_id), flush=True)
                 rec = runs.get(spec.run_id)
                 if rec and rec.state in ("done", "stopped", "failed"):
@@ -388,11 +555,11 @@ def cmd_launch(args: argparse.Namespace) -> int:
 
 
 def cmd_status(args: argparse.Namespace) -> int:
-    trusted = {check_peer_id("--operator-key", args.operator_key)} if args.operator_key else None
+    trust = OperatorTrust.of_peer_ids(args.operator_key) if args.operator_key else None
     dht = _dht(args)
     try:
-        runs, nodes, signers = _read_views(dht, trusted)
-        print(format_status(runs, nodes, args.run_id, signers=None if trusted else signers))
+        runs, nodes, signers = _read_views(dht, trust)
+        print(format_status(runs, nodes, args.run_id, signers=None if trust else signers))
     finally:
         dht.shutdown()
     return 0
@@ -428,6 +595,7 @@ def _plan(args: argparse.Namespace) -> int:
 
 COMMANDS = {
     "init": cmd_init,
+    "certify": cmd_certify,
     "serve": cmd_serve,
     "launch": cmd_launch,
     "status": cmd_status,

@@ -37,6 +37,7 @@ from safetensors.torch import save_file
 
 from protocol import keys
 from protocol.checkpoint import CheckpointRefused, list_rounds, read_round
+from protocol.delegation import OperatorTrust
 from protocol.envelope import open_envelope
 from protocol.identity import public_key_of_peer_id
 from protocol.messages import RunRecord
@@ -245,8 +246,12 @@ def consensus_states(
     blob = store.get(keys.spec_key(run_id), max_bytes=1 << 20)
     if blob is None:
         raise ValueError(f"no run {run_id!r} in the store (no {keys.spec_key(run_id)}); check the run id")
-    spec = open_envelope(blob, RunRecord, operator).body.spec
-    assigned = read_archive(store, spec, operator) or []
+    # the operator's own signature or a coordinator it certified, as of when it was signed (the run may
+    # have ended after the coordinators' certificates expired)
+    trust = OperatorTrust.of(operator)
+    signed = open_envelope(blob, RunRecord)
+    spec = trust.admit(signed, signed.body.updated).body.spec
+    assigned = read_archive(store, spec, trust, as_issued=True) or []
     peers = {a.peer_id for a in assigned} | {
         p for a in assigned for ps in a.former_stage_peers.values() for p in ps
     }

@@ -4,6 +4,10 @@ Acquire: PUT If-None-Match:* when no lease exists, or PUT If-Match:<etag> over a
 garbage one, always at a term above every term known (fencing: terms strictly increase). Renew: PUT
 If-Match:<etag> of our own lease. Losing either race returns None: another coordinator won. Every message
 the holder signs carries the term, and nodes ignore lower terms.
+
+A lease counts when the operator signed it or a coordinator it certified for the run did (the lease carries
+the holder's certificate; protocol/delegation.py): two different certified keys of one operator take the
+lease over from each other, and the terms still strictly increase.
 """
 
 from __future__ import annotations
@@ -14,7 +18,8 @@ import time
 from dataclasses import dataclass
 
 from protocol import keys
-from protocol.envelope import open_envelope, seal
+from protocol.delegation import OperatorTrust
+from protocol.envelope import seal
 from protocol.identity import Identity
 from protocol.messages import Lease
 from protocol.schema import ProtocolError
@@ -48,10 +53,10 @@ def _highest_term(store: ObjectStore, run_id: str) -> int:
     return max(terms)
 
 
-def _valid_lease(data: bytes, run_id: str, trusted: set[bytes], now: float) -> Lease | None:
+def _valid_lease(data: bytes, run_id: str, trust: OperatorTrust, now: float) -> Lease | None:
     """The lease in `data` if it is a lease of this run signed by a trusted coordinator and believable."""
     try:
-        lease = open_envelope(data, Lease, trusted).body
+        lease = trust.open(data, Lease, now).body
     except (ProtocolError, ValueError) as e:  # garbage, a stranger's signature, a broken envelope
         log.warning("run %s: the lease object is not a trusted coordinator's lease (%s)", run_id, e)
         return None
@@ -81,7 +86,8 @@ def try_acquire(
     run_id: str,
     duration_s: float,
     now: float | None = None,
-    trusted: set[bytes] | None = None,
+    trusted: OperatorTrust | set[bytes] | None = None,
+    certificate: bytes = b"",
 ) -> HeldLease | None:
     """Take the run's lease if nobody holds a live one; None if one is live or another won the race.
 
@@ -90,10 +96,11 @@ def try_acquire(
     assignments; so a second process with our key cannot share our term, a takeover after a crash is a
     new term, and a garbage or forged lease object cannot reset the term. A live lease is respected
     whoever holds it, ourselves included: only `renew`, with the ETag we hold, extends a lease.
-    trusted: public keys whose leases count (default: our own, i.e. coordinators signing with one key).
-    now: the clock (tests inject skew)."""
+    trusted: whose leases count: the operator's trust rule, or public keys (default: our own, i.e.
+    coordinators signing with the operator's key). certificate: ours, carried in the lease we sign (empty
+    when `identity` is the operator's key). now: the clock (tests inject skew)."""
     now = time.time() if now is None else now
-    trusted = {identity.public_key} if trusted is None else trusted
+    trust = OperatorTrust.of({identity.public_key} if trusted is None else trusted)
     key = keys.lease_key(run_id)
     try:
         found = store.get_with_etag(key, max_bytes=MAX_LEASE_BYTES)
@@ -106,13 +113,19 @@ def try_acquire(
     if found is None:
         term = floor + 1
     else:
-        current = _valid_lease(found[0], run_id, trusted, now)
+        current = _valid_lease(found[0], run_id, trust, now)
         if current is not None and current.expires_at > now:
             return None
         term = max(floor, current.term if current else 0) + 1
     if store.put_if_absent(keys.term_key(run_id, term), identity.peer_id.encode()) is None:
         return None  # another coordinator claimed this term first: it won the race
-    lease = Lease(run_id=run_id, term=term, holder=identity.peer_id, expires_at=now + duration_s)
+    lease = Lease(
+        run_id=run_id,
+        term=term,
+        holder=identity.peer_id,
+        expires_at=now + duration_s,
+        certificate=certificate,
+    )
     blob = seal(identity, lease)
     etag = store.put_if_absent(key, blob) if found is None else store.put_if_match(key, blob, found[1])
     return HeldLease(lease, etag) if etag else None
@@ -121,10 +134,14 @@ def try_acquire(
 def renew(
     store: ObjectStore, identity: Identity, held: HeldLease, duration_s: float, now: float | None = None
 ) -> HeldLease | None:
-    """Extend our lease; None if it was taken over (we have been deposed)."""
+    """Extend our lease (with the certificate it was taken with); None if it was taken over (deposed)."""
     now = time.time() if now is None else now
     lease = Lease(
-        run_id=held.lease.run_id, term=held.lease.term, holder=identity.peer_id, expires_at=now + duration_s
+        run_id=held.lease.run_id,
+        term=held.lease.term,
+        holder=identity.peer_id,
+        expires_at=now + duration_s,
+        certificate=held.lease.certificate,
     )
     etag = store.put_if_match(keys.lease_key(held.lease.run_id), seal(identity, lease), held.etag)
     return HeldLease(lease, etag) if etag else None

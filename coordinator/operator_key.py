@@ -4,15 +4,22 @@ Nodes accept run records and assignments only when this key signed them (`crucib
 --operator-key PEER_ID`). A key made up on the spot is trusted by no node, so only `crucible-coordinator
 init` creates one (`create_operator_key`); every other command loads it (`load_operator_key`) and refuses
 to start without it, naming the file and the command that creates it.
+
+The operator key need not sit on a coordinator host: `crucible-coordinator certify` signs a certificate for
+a coordinator's own key (protocol/delegation.py), and `serve --key-file --certificate` loads that key and
+checks the certificate here before it starts (`load_signing_key`, `load_certificate`).
 """
 
 from __future__ import annotations
 
 import os
+import time
 from pathlib import Path
 
 from protocol.cli_errors import bad_input
-from protocol.identity import Identity
+from protocol.delegation import OperatorTrust, Untrusted, read_certificate
+from protocol.identity import Identity, peer_id_of
+from protocol.messages import MAX_CERTIFICATE_BYTES
 
 DEFAULT_OPERATOR_KEY_FILE = "~/.crucible/operator.key"
 """Where `init` writes the key and the other commands read it when --operator-key-file is not given."""
@@ -42,18 +49,73 @@ def load_operator_key(path: str | Path = DEFAULT_OPERATOR_KEY_FILE) -> Identity:
         raise bad_input(
             FLAG, str(path), "is a folder, not a key file", f"{FLAG} {Path(path) / 'operator.key'}"
         )
+    return _read_seed(p, FLAG, str(path), "`crucible-coordinator init`")
+
+
+def _read_seed(p: Path, flag: str, shown: str, writer: str) -> Identity:
     try:
         seed = p.read_bytes()
     except OSError as e:
-        raise bad_input(FLAG, str(path), f"cannot be read: {e.strerror}") from e
+        raise bad_input(flag, shown, f"cannot be read: {e.strerror}") from e
     if len(seed) != SEED_BYTES:
         raise bad_input(
-            FLAG,
-            str(path),
-            f"holds {len(seed)} bytes, not a {SEED_BYTES}-byte Ed25519 seed (the file "
-            "`crucible-coordinator init` writes)",
+            flag,
+            shown,
+            f"holds {len(seed)} bytes, not a {SEED_BYTES}-byte Ed25519 seed (the file {writer} writes)",
         )
     return Identity.from_seed(seed)
+
+
+def load_signing_key(path: str | Path, flag: str = "--key-file") -> Identity:
+    """A coordinator's own key (a node's key file) at `path`; never created (a new key holds no
+    certificate), a UsageError naming `flag` when missing or not a key."""
+    p = Path(path).expanduser()
+    if not p.is_file():
+        raise bad_input(
+            flag,
+            str(path),
+            "no key file there: give the key file of the node the certificate was issued for (the "
+            "--key-file of its `crucible-node join`)",
+        )
+    return _read_seed(p, flag, str(path), "`crucible-node join`")
+
+
+def load_certificate(
+    path: str | Path,
+    signer: Identity,
+    trust: OperatorTrust,
+    now: float | None = None,
+    flag: str = "--certificate",
+) -> bytes:
+    """The certificate at `path` if it lets `signer` sign as a coordinator under `trust` now (for its run,
+    or any run); else a UsageError naming `flag`, the file and why (missing, not a certificate, expired,
+    not for this key, not signed by the operator, wrong role)."""
+    p = Path(path).expanduser()
+    renew = f"crucible-coordinator certify {signer.peer_id} --expires 7d --any-run --out {path}"
+    operators = ", ".join(peer_id_of(k) for k in sorted(trust.operators))
+    if not p.is_file():
+        raise bad_input(flag, str(path), f"no certificate there; the operator issues one with `{renew}`")
+    try:
+        with p.open("rb") as f:
+            data = f.read(MAX_CERTIFICATE_BYTES + 1)
+    except OSError as e:
+        raise bad_input(flag, str(path), f"cannot be read: {e.strerror}") from e
+    try:
+        if len(data) > MAX_CERTIFICATE_BYTES:
+            raise ValueError(f"over {MAX_CERTIFICATE_BYTES} bytes")
+        cert = read_certificate(data).body
+    except ValueError as e:
+        raise bad_input(flag, str(path), f"is not a certificate ({e}); `{renew}` writes one", None) from e
+    try:
+        trust.delegation(signer.public_key, data, cert.run, time.time() if now is None else now)
+    except Untrusted as e:
+        raise bad_input(
+            flag,
+            str(path),
+            f"does not let key {signer.peer_id} coordinate for operator {operators}: {e.why} ({e.reason}); "
+            f"the operator issues a new one with `{renew}`",
+        ) from e
+    return data
 
 
 def create_operator_key(path: str | Path = DEFAULT_OPERATOR_KEY_FILE) -> tuple[Identity, bool]:
@@ -78,4 +140,10 @@ def create_operator_key(path: str | Path = DEFAULT_OPERATOR_KEY_FILE) -> tuple[I
     return ident, True
 
 
-__all__ = ["DEFAULT_OPERATOR_KEY_FILE", "create_operator_key", "load_operator_key"]
+__all__ = [
+    "DEFAULT_OPERATOR_KEY_FILE",
+    "create_operator_key",
+    "load_certificate",
+    "load_operator_key",
+    "load_signing_key",
+]

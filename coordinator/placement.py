@@ -1,23 +1,47 @@
-"""Placement: live adverts -> R replicas x S stages.
+"""Placement: live adverts -> R replicas x S stages, scored by the planner (one cost model).
 
-Greedy: free nodes are ranked by measured TFLOP/s (then store bandwidth, then price), the
-fastest R*S are taken, and dealt so that every replica gets a similar mix (replica r, stage s takes rank
-s*R + r), keeping replicas' step times close since the slowest stage paces each pipeline.
-Re-placement after churn only fills the holes: untouched slots keep their nodes.
+Objective: the run's predicted tokens/s, the planner's sum over replicas of M b s / step_r, where
+step_r is `coordinator.planner.replica_step_s` of replica r's hosts: its pipeline schedule replayed
+with each stage's compute t_c[s] = work[s] b s / (tflops x ceiling) from the node's advertised speed,
+and each boundary's message time t_x = bytes_per_microbatch(k) / bandwidth over the link it crosses,
+plus the SparseLoCo sync wait from each node's store bandwidth. Ties go to the lower $/h. Tokens/s,
+not tokens per dollar: R x S is fixed by the run spec, and every placed node is paid whatever it runs.
+
+Bandwidth: a link's is what its two ends measured of each other (`NodeAdvert.peer_mbps`, the smaller
+of the two directions when both did), round trips likewise (`peer_rtt_ms`, the larger). Pools are
+sparse (each node probes a bounded sample of peers), so an unmeasured pair gets the smaller of the two
+nodes' median measurements (a path is as fast as its slower access link), and a node that measured
+nothing gets `CostModel.default_mbps`.
+
+Search. Small pools (at most `EXACT_CHAINS` ordered S-chains) are solved exactly: every chain is
+scored, and the best R disjoint chains are found by branch and bound. Larger pools are built replica
+by replica, fastest nodes first (so a replica's stages have similar speed: the slowest stage paces a
+replica, and replicas never wait on each other): each stage takes, from a window of the fastest free
+nodes, the one that keeps the replica's steady-state period max(max t_c, max t_x, round trip / W)
+lowest, so slow links are routed around; each replica is then scored exactly against the plain
+fastest-first chain and the better kept. Re-placement after churn only fills the holes: untouched
+slots keep their nodes, and each hole takes the free node that scores its replica best.
 
 Memory. Given each stage's estimated need (protocol/memory.py), a node whose advert states its free
 memory (`free_memory_gb > 0`) is only put on a stage that fits it (`protocol.memory.fits`: 90% of the
-free memory). Slots are dealt in the order above, each to the best-ranked free node that fits it; a slot
-that finds none takes a node from an earlier slot that another fitting node can replace (an augmenting
-path, Kuhn's bipartite matching), so a placement is found whenever one exists, and with memory to spare
-the result is exactly the dealing above.
+free memory). The search keeps enough fitting nodes back for the stages fewest nodes can hold; if it
+still runs short, slots are matched by Kuhn's augmenting paths over the same ranking, so a placement is
+found whenever one exists.
 """
 
 from __future__ import annotations
 
+import itertools
+import math
+import statistics
 from collections.abc import Callable, Iterator, Mapping, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
+from coordinator.calibrate import run_settings
+from coordinator.plan_inputs import MODELS, Host, ModelShape, RunSettings
+from coordinator.plan_layout import Layout, stage_work
+from coordinator.plan_links import activation_bytes, id_bytes
+from coordinator.planner import boundary_k, replica_step_s
 from protocol.memory import GB, fits, precision_for_device, stage_memory
 from protocol.messages import NodeAdvert
 from protocol.runspec import RunSpec
@@ -36,6 +60,8 @@ class PlacementError(RuntimeError):
 class Placement:
     slots: dict[Slot, str]
     """(replica, stage) -> peer id."""
+    tokens_per_s: float = field(default=0.0, compare=False)
+    """The objective: predicted tokens/s of the run on these nodes (0 = not scored)."""
 
     def peer(self, replica: int, stage: int) -> str:
         return self.slots[(replica, stage)]
@@ -144,6 +170,335 @@ def _shortfall(
     )
 
 
+EXACT_LAYOUTS = 20_000
+"""Pools with at most this many distinct layouts (n! / (n - R S)! / R!) are placed exactly."""
+WINDOW = 8
+"""Free nodes beyond S that a replica's greedy construction weighs for each stage."""
+EXACT_MOVES = 32
+"""Runs with at most this many replicas score every improving move by the replay; larger ones screen
+moves by the steady-state period first."""
+REPAIR_SCORED = 16
+"""Free nodes scored exactly for one hole (the best by the steady-state period of the hole's stage)."""
+MIN_MBPS = 1e-3
+"""A measured 0 Mbit/s (unreachable) is scored as this, so the link is avoided rather than divided by."""
+MIN_TFLOPS = 1e-6
+"""An unmeasured speed (0) is scored as this: such a node is placed last."""
+
+
+@dataclass(kw_only=True, frozen=True)
+class CostModel:
+    """What placement scores with: the planner's model, layer split and settings for the run."""
+
+    shape: ModelShape
+    """The run's model (coordinator.plan_inputs.ModelShape)."""
+    layers: tuple[int, ...]
+    """Layers per stage, the same in every replica; sums to shape.n_layers."""
+    settings: RunSettings
+    """Schedule, microbatches, link k and sync cadence (coordinator.calibrate.run_settings for a spec)."""
+    default_mbps: float = 1000.0
+    """Mbit/s of a link, or to the store, that nothing measured."""
+    default_rtt_ms: float = 0.0
+    """Round trip of a link that nothing measured (0: unknown latency is not charged)."""
+
+    def __post_init__(self) -> None:
+        if not self.layers or min(self.layers) < 1 or sum(self.layers) != self.shape.n_layers:
+            raise ValueError(
+                f"cost model layers {self.layers} must be >= 1 each and sum to n_layers={self.shape.n_layers}"
+            )
+        if self.default_mbps <= 0 or self.default_rtt_ms < 0:
+            raise ValueError(
+                "cost model default_mbps must be > 0 and default_rtt_ms >= 0 (example: 1000, 20)"
+            )
+
+    @classmethod
+    def from_spec(cls, spec: RunSpec) -> CostModel:
+        """The run's own model, layer split and settings (the planner's reading of a run spec)."""
+        return cls(
+            shape=ModelShape.from_spec(spec.model),
+            layers=tuple(b - a for a, b in spec.layer_ranges()),
+            settings=run_settings(spec, ceiling=RunSettings().ceiling),
+        )
+
+    @classmethod
+    def default(cls, stages: int) -> CostModel:
+        """Without a run spec: Llama-3-8B's shape split evenly over `stages`, links at k = d/8."""
+        shape = MODELS["8b"]
+        if not 1 <= stages <= shape.n_layers:
+            raise ValueError(f"stages must be between 1 and {shape.n_layers} (got {stages})")
+        bounds = [round(i * shape.n_layers / stages) for i in range(stages + 1)]
+        layers = tuple(bounds[i + 1] - bounds[i] for i in range(stages))
+        return cls(shape=shape, layers=layers, settings=RunSettings(k=shape.d_model // 8))
+
+
+class _Nodes:
+    """Candidates as the cost model sees them: a Host each, compute per stage, links, memory fits."""
+
+    def __init__(
+        self,
+        adverts: Sequence[NodeAdvert],
+        cost: CostModel,
+        replicas: int,
+        fit: Callable[[NodeAdvert, int], bool] | None = None,
+    ) -> None:
+        self.adverts, self.cost, self.R = list(adverts), cost, replicas
+        shape, st, S = cost.shape, cost.settings, len(cost.layers)
+        tokens = st.microbatch_size * shape.seq_len
+        self.tokens_per_step = st.microbatches * tokens
+        idx = {a.peer_id: i for i, a in enumerate(self.adverts)}
+        self.mbps = [{idx[p]: max(x, MIN_MBPS) for p, x in a.peer_mbps.items() if p in idx} for a in adverts]
+        self.rtt_ms = [{idx[p]: x for p, x in a.peer_rtt_ms.items() if p in idx} for a in adverts]
+        self.typ_mbps = [
+            max(statistics.median(a.peer_mbps.values()), MIN_MBPS) if a.peer_mbps else cost.default_mbps
+            for a in adverts
+        ]
+        self.typ_rtt_ms = [
+            statistics.median(a.peer_rtt_ms.values()) if a.peer_rtt_ms else cost.default_rtt_ms
+            for a in adverts
+        ]
+        self.hosts = [
+            Host(
+                name=a.peer_id,
+                gpus=1,
+                peak_tflops=max(a.tflops, MIN_TFLOPS),
+                memory_gb=a.memory_gb,
+                usd_per_hour=a.price_per_hour,
+                link_mbps=self.typ_mbps[i],
+                rtt_ms=self.typ_rtt_ms[i],
+                store_mbps=a.store_mbps or cost.default_mbps,
+            )
+            for i, a in enumerate(self.adverts)
+        ]
+        work = stage_work(shape, cost.layers)
+        rate = [h.peak_tflops * 1e12 * st.ceiling for h in self.hosts]
+        self.t_c = [[work[s] * tokens / r for s in range(S)] for r in rate]  # (n, S) seconds per microbatch
+        k = min(st.k or st.k_min, shape.d_model)  # the automatic k's floor: where a slow link starts to cost
+        wire = dict(
+            bytes_per_value=st.bytes_per_value,
+            token_id_bytes=st.token_id_bytes or id_bytes(shape.vocab),
+            header_bytes=st.header_bytes,
+        )
+        self.msg_bits = 8.0 * activation_bytes(k=k, d_model=shape.d_model, tokens=tokens, **wire)
+        self.W = min(st.microbatches, S + st.extra_in_flight) if st.schedule == "1f1b" else 0
+        fit_fn = fit or (lambda a, s: True)
+        self.fit = [[fit_fn(a, s) for a in self.adverts] for s in range(S)]
+
+    def link(self, i: int, j: int) -> tuple[float, float]:
+        """(Mbit/s, rtt ms) of the link i - j: as measured (the slower direction, the longer round trip),
+        else the smaller of the two nodes' median bandwidths and the larger of their median round trips."""
+        x, y = self.mbps[i].get(j), self.mbps[j].get(i)
+        if x is None and y is None:
+            mbps = min(self.typ_mbps[i], self.typ_mbps[j])
+        else:
+            mbps = min(v for v in (x, y) if v is not None)
+        u, v = self.rtt_ms[i].get(j), self.rtt_ms[j].get(i)
+        if u is None and v is None:
+            rtt = max(self.typ_rtt_ms[i], self.typ_rtt_ms[j])
+        else:
+            rtt = max(w for w in (u, v) if w is not None)
+        return mbps, rtt
+
+    def score(self, chain: Sequence[int]) -> float:
+        """The objective for one replica (stage s on node chain[s]): the planner's tokens/s."""
+        links = [self.link(a, b) for a, b in itertools.pairwise(chain)]
+        c = self.cost
+        step = replica_step_s(
+            c.shape,
+            tuple(self.hosts[i] for i in chain),
+            c.layers,
+            c.settings,
+            replicas=self.R,
+            link_mbps=tuple(m for m, _ in links),
+            link_rtt_ms=tuple(r for _, r in links),
+        )
+        return self.tokens_per_step / step
+
+    def price(self, chain: Sequence[int]) -> float:
+        return sum(self.adverts[i].price_per_hour for i in chain)
+
+    def extend(self, state: tuple[float, float], chain: Sequence[int], node: int) -> tuple[float, float]:
+        """Steady-state period of a partial chain grown by `node` at the next stage, as (T, round trip):
+        T = max(max t_c, max t_x, (sum t_c + sum (rtt + 2 t_x)) / W), the planner's closed form
+        (planner.predict's docstring) that the search ranks candidates with; the replay scores them."""
+        T, trip = state
+        t = self.t_c[node][len(chain)]
+        T, trip = max(T, t), trip + t
+        if chain:
+            mbps, rtt = self.link(chain[-1], node)
+            t_x = self.msg_bits / (mbps * 1e6)
+            T, trip = max(T, t_x), trip + rtt / 1e3 + 2 * t_x
+        return (max(T, trip / self.W) if self.W else T), trip
+
+
+def _better(a: tuple[float, float], b: tuple[float, float]) -> bool:
+    """(tokens/s, $/h): more tokens/s, or as many (to 1e-9) for less money."""
+    if a[0] > b[0] * (1 + 1e-9):
+        return True
+    return a[0] >= b[0] * (1 - 1e-9) and a[1] < b[1] - 1e-12
+
+
+def _layouts(n: int, R: int, S: int, limit: int) -> int:
+    """Distinct layouts of n nodes into R unordered replicas of S ordered stages, n! / (n - R S)! / R!,
+    counted up to `limit` (limit + 1 means more)."""
+    if R * S > n:
+        return 0
+    count = 1
+    for i in range(R * S):
+        count *= n - i
+        if count > limit * math.factorial(R):
+            return limit + 1
+    return count // math.factorial(R)
+
+
+def _exact(nodes: _Nodes, R: int, S: int) -> list[tuple[int, ...]] | None:
+    """The best R disjoint chains: every fitting chain scored, then branch and bound over them."""
+    n = len(nodes.adverts)
+    chains = [c for c in itertools.permutations(range(n), S) if all(nodes.fit[s][i] for s, i in enumerate(c))]
+    scored = sorted(((nodes.score(c), nodes.price(c), c) for c in chains), key=lambda x: (-x[0], x[1]))
+    masks = [sum(1 << i for i in c) for _, _, c in scored]
+    best: list = [(-math.inf, math.inf), None]
+
+    def dfs(start: int, used: int, picked: list[int], total: float, price: float) -> None:
+        if len(picked) == R:
+            if _better((total, price), best[0]):
+                best[0], best[1] = (total, price), list(picked)
+            return
+        need = R - len(picked)
+        for j in range(start, len(scored)):
+            if total + need * scored[j][0] < best[0][0] * (1 - 1e-9):
+                return  # sorted: no later chain lifts the total enough
+            if masks[j] & used:
+                continue
+            picked.append(j)
+            dfs(j + 1, used | masks[j], picked, total + scored[j][0], price + scored[j][1])
+            picked.pop()
+
+    dfs(0, 0, [], 0.0, 0.0)
+    return None if best[1] is None else [scored[j][2] for j in best[1]]
+
+
+def _greedy(nodes: _Nodes, R: int, S: int, order: list[int]) -> list[tuple[int, ...]] | None:
+    """Replica by replica, fastest free nodes first: each stage takes the window's node that keeps the
+    steady-state period lowest (`_Nodes.extend`); the chain is kept if the replay scores it above the
+    plain fastest-first chain, else that one. None when the memory fits run out (`_match` then decides)."""
+    used = [False] * len(nodes.adverts)
+    left = [R] * S  # slots of each stage still to fill
+    free_fit = [sum(row) for row in nodes.fit]  # free nodes that fit each stage
+
+    def spare(c: int, s: int) -> bool:
+        """Taking c for stage s leaves every other stage c fits as many fitting nodes as it has slots."""
+        return all(free_fit[t] > left[t] for t in range(S) if t != s and nodes.fit[t][c])
+
+    def take(chain: tuple[int, ...]) -> None:
+        for s, c in enumerate(chain):
+            used[c] = True
+            left[s] -= 1
+            for t in range(S):
+                free_fit[t] -= nodes.fit[t][c]
+
+    head, out = 0, []
+    for _ in range(R):
+        while head < len(order) and used[order[head]]:
+            head += 1
+        window, j = [], head
+        while j < len(order) and len(window) < S + WINDOW:
+            if not used[order[j]]:
+                window.append(order[j])
+            j += 1
+        options = []
+        for mode in ("period", "plain"):
+            chain: list[int] = []
+            state = (0.0, 0.0)
+            for s in range(S):
+                ok = [c for c in window if c not in chain and nodes.fit[s][c] and spare(c, s)]
+                if not ok:  # the window has none: the fastest free node anywhere that fits
+                    ok = [
+                        c for c in order if not used[c] and c not in chain and nodes.fit[s][c] and spare(c, s)
+                    ][:1]
+                if not ok:
+                    return None
+                if mode == "plain":
+                    pick = ok[0]
+                else:
+                    pick = min(ok, key=lambda c: nodes.extend(state, chain, c)[0])  # ties: the faster
+                state = nodes.extend(state, chain, pick)
+                chain.append(pick)
+            options.append(tuple(chain))
+        best = max(dict.fromkeys(options), key=lambda c: (nodes.score(c), -nodes.price(c)))
+        take(best)
+        out.append(best)
+    return out
+
+
+def _period(nodes: _Nodes, chain: Sequence[int]) -> float:
+    state, prefix = (0.0, 0.0), []
+    for c in chain:
+        state = nodes.extend(state, prefix, c)
+        prefix.append(c)
+    return state[0]
+
+
+def _improve(nodes: _Nodes, chains: list[tuple[int, ...]], spare: list[int]) -> list[tuple[int, ...]]:
+    """Swap passes over the greedy result: two slots of a replica, a slot of replica r and one of r + 1,
+    or a slot and a spare free node trade nodes when the planner scores the pair of replicas higher.
+    Moves are screened by the steady-state period (1 / T summed) unless the run has at most
+    `EXACT_MOVES` replicas, where every move is scored by the replay; two passes at most."""
+    ch = [list(c) for c in chains]
+    R, S = len(ch), len(ch[0])
+    score = [nodes.score(c) for c in ch]
+    per = [_period(nodes, c) for c in ch]
+    screen = R > EXACT_MOVES
+
+    def attempt(r: int, q: int) -> bool:
+        """ch[r] and ch[q] were just changed in place: keep the change if it scores higher."""
+        pr, pq = _period(nodes, ch[r]), _period(nodes, ch[q]) if q != r else 0.0
+        if screen and 1 / pr + (1 / pq if q != r else 0.0) <= (
+            1 / per[r] + (1 / per[q] if q != r else 0.0)
+        ) * (1 + 1e-9):
+            return False
+        sr = nodes.score(ch[r])
+        sq = nodes.score(ch[q]) if q != r else 0.0
+        if sr + sq <= (score[r] + (score[q] if q != r else 0.0)) * (1 + 1e-9):
+            return False
+        score[r], per[r] = sr, pr
+        if q != r:
+            score[q], per[q] = sq, pq
+        return True
+
+    for _ in range(2):
+        moved = False
+        for r in range(R):
+            for s in range(S):
+                for q in (r, r + 1) if r + 1 < R else (r,):
+                    for t in range(s + 1 if q == r else 0, S):
+                        a, b = ch[r][s], ch[q][t]
+                        if not (nodes.fit[t][a] and nodes.fit[s][b]):
+                            continue
+                        ch[r][s], ch[q][t] = b, a
+                        if attempt(r, q):
+                            moved = True
+                        else:
+                            ch[r][s], ch[q][t] = a, b
+                for i, f in enumerate(spare):
+                    a = ch[r][s]
+                    if not nodes.fit[s][f]:
+                        continue
+                    ch[r][s] = f
+                    if attempt(r, r):
+                        spare[i], moved = a, True
+                    else:
+                        ch[r][s] = a
+        if not moved:
+            break
+    return [tuple(c) for c in ch]
+
+
+def _chains_to_slots(nodes: _Nodes, chains: list[tuple[int, ...]]) -> tuple[dict[Slot, str], float]:
+    """Replicas numbered fastest first; returns the slots and the objective."""
+    scored = sorted(((nodes.score(c), c) for c in chains), key=lambda x: -x[0])
+    slots = {(r, s): nodes.adverts[i].peer_id for r, (_, c) in enumerate(scored) for s, i in enumerate(c)}
+    return slots, sum(x for x, _ in scored)
+
+
 def place(
     adverts: list[NodeAdvert],
     replicas: int,
@@ -151,9 +506,12 @@ def place(
     *,
     min_store_mbps: float = 0.0,
     need_bytes: NeedBytes | None = None,
+    cost: CostModel | None = None,
 ) -> Placement:
-    """Choose R*S free nodes; raise PlacementError if there are too few, or too few with the memory for
-    their stage (`need_bytes`: each stage's estimated bytes, see `stage_needs`; None: not checked)."""
+    """Choose R*S free nodes maximising the predicted tokens/s (module docstring); raise PlacementError
+    if there are too few, or too few with the memory for their stage (`need_bytes`: each stage's
+    estimated bytes, see `stage_needs`; None: not checked). `cost`: the run's (`CostModel.from_spec`);
+    None scores with `CostModel.default(stages)`."""
     candidates = sorted((a for a in adverts if a.store_mbps >= min_store_mbps), key=_rank_key)
     need = replicas * stages
     if len(candidates) < need:
@@ -161,15 +519,64 @@ def place(
             f"need {need} free nodes for {replicas} replicas x {stages} stages, found {len(candidates)}"
             + (f" with >= {min_store_mbps} Mbit/s to the store" if min_store_mbps else "")
         )
+    cost = cost or CostModel.default(stages)
+    if len(cost.layers) != stages:
+        raise ValueError(f"cost model has {len(cost.layers)} stages, the placement {stages}")
     fit = _fitter(need_bytes, stages)
-    order = [(r, s) for s in range(stages) for r in range(replicas)]  # slot (r, s) takes rank s*R + r
-    slots = _match(order, candidates, fit)
-    if slots is None:
+    nodes = _Nodes(candidates, cost, replicas, fit)
+    order = list(range(len(candidates)))  # ranked: fastest first
+    if _layouts(len(candidates), replicas, stages, EXACT_LAYOUTS) <= EXACT_LAYOUTS:
+        chains = _exact(nodes, replicas, stages)
+    else:
+        chains = _greedy(nodes, replicas, stages, order)
+        if chains is not None:
+            placed = {i for c in chains for i in c}
+            spare = [i for i in order if i not in placed][: 2 * stages]
+            chains = _improve(nodes, chains, spare)
+        if chains is None:  # memory is tight: match slots replica by replica over the ranking
+            slot_order = [(r, s) for r in range(replicas) for s in range(stages)]
+            matched = _match(slot_order, candidates, fit)
+            if matched is not None:
+                idx = {a.peer_id: i for i, a in enumerate(candidates)}
+                chains = [tuple(idx[matched[(r, s)]] for s in range(stages)) for r in range(replicas)]
+    if chains is None:
         assert need_bytes is not None  # without a memory check every node fits every slot
+        order_slots = [(r, s) for s in range(stages) for r in range(replicas)]
         raise _shortfall(
-            f"need {need} nodes for {replicas} replicas x {stages} stages", order, candidates, need_bytes, fit
+            f"need {need} nodes for {replicas} replicas x {stages} stages",
+            order_slots,
+            candidates,
+            need_bytes,
+            fit,
         )
-    return Placement(slots)
+    slots, tokens_per_s = _chains_to_slots(nodes, chains)
+    return Placement(slots, tokens_per_s)
+
+
+def _hole_order(
+    nodes: _Nodes, known: Mapping[int, int | None], s: int, free: list[int], whole: bool
+) -> list[int]:
+    """Free nodes (indices into `nodes`) for a hole at stage s, best first: by the period of the hole's
+    stage and its links to its known neighbours (`_Nodes.extend`'s terms), and when every other stage of
+    the replica is known (`whole`), the best `REPAIR_SCORED` of them by the replica's planner score."""
+
+    def period(c: int) -> float:
+        T = nodes.t_c[c][s]
+        for a, b in ((known.get(s - 1), c), (c, known.get(s + 1))):
+            if a is not None and b is not None:
+                T = max(T, nodes.msg_bits / (nodes.link(a, b)[0] * 1e6))
+        return T
+
+    ranked = sorted((c for c in free if nodes.fit[s][c]), key=lambda c: (period(c), c))
+    if not whole:
+        return ranked
+    S = len(nodes.cost.layers)
+
+    def key(c: int) -> tuple[float, float]:
+        chain = [c if t == s else known[t] for t in range(S)]
+        return -nodes.score(chain), nodes.adverts[c].price_per_hour  # type: ignore[arg-type]
+
+    return sorted(ranked[:REPAIR_SCORED], key=key) + ranked[REPAIR_SCORED:]
 
 
 def repair(
@@ -178,10 +585,13 @@ def repair(
     free: list[NodeAdvert],
     *,
     need_bytes: NeedBytes | None = None,
+    cost: CostModel | None = None,
+    adverts: Mapping[str, NodeAdvert] | None = None,
 ) -> tuple[Placement, set[Slot]]:
-    """Refill the slots whose node is gone with the best free nodes that fit their stage's memory;
-    returns the new placement and the slots that changed (only those, and their pipeline neighbours,
-    need new assignments)."""
+    """Refill the slots whose node is gone, each with the free node that fits its stage's memory and
+    scores its replica best (`adverts`: the surviving nodes' adverts, for their speed and links; without
+    them a hole is judged by its own stage); returns the new placement and the slots that changed (only
+    those, and their pipeline neighbours, need new assignments). Untouched slots keep their nodes."""
     holes = sorted(slot for slot, peer in current.slots.items() if peer not in alive)
     pool = sorted(free, key=_rank_key)
     if len(pool) < len(holes):
@@ -191,10 +601,60 @@ def repair(
     slots = dict(current.slots)
     if not holes:
         return Placement(slots), set()
-    fit = _fitter(need_bytes, 1 + max(s for _, s in current.slots))
-    refill = _match(holes, pool, fit)
-    if refill is None:
+    S = 1 + max(s for _, s in current.slots)
+    R = 1 + max(r for r, _ in current.slots)
+    fit = _fitter(need_bytes, S)
+    if _match(holes, pool, fit) is None:
         assert need_bytes is not None
         raise _shortfall(f"{len(holes)} slot(s) lost their node", holes, pool, need_bytes, fit)
-    slots.update(refill)
+    cost = cost or CostModel.default(S)
+    survivors = [a for p, a in (adverts or {}).items() if p in alive and p in set(slots.values())]
+    nodes = _Nodes(pool + survivors, cost, R, fit)
+    where = {a.peer_id: i for i, a in enumerate(nodes.adverts)}
+    taken: set[int] = set()
+    for n, (r, s) in enumerate(holes):
+        known = {t: where.get(slots[(r, t)]) for t in range(S) if (r, t) not in holes[n:]}
+        whole = all(known.get(t) is not None for t in range(S) if t != s)
+        rest = holes[n + 1 :]
+
+        ranked = _hole_order(nodes, known, s, [i for i in range(len(pool)) if i not in taken], whole)
+        for c in ranked:  # the best that leaves the other holes a fitting node each
+            others = [a for i, a in enumerate(pool) if i not in taken and i != c]
+            if not rest or _match(rest, others, fit) is not None:
+                taken.add(c)
+                slots[(r, s)] = pool[c].peer_id
+                break
+        else:  # unreachable: the matching above found a node for every hole
+            raise PlacementError(f"slot {(r, s)} found no free node that fits")
     return Placement(slots), set(holes)
+
+
+def placement_layout(placement: Placement, adverts: Mapping[str, NodeAdvert], cost: CostModel) -> Layout:
+    """The planner's Layout of a placement: each slot's host from its advert, each boundary's measured
+    bandwidth and round trip (as placement scores them). For `planner.predict` and `boundary_k`."""
+    R = 1 + max(r for r, _ in placement.slots)
+    S = len(cost.layers)
+    peers = sorted(set(placement.slots.values()))
+    missing = [p for p in peers if p not in adverts]
+    if missing:
+        raise ValueError(f"no advert for placed node(s) {missing[:3]}: pass the adverts of every placed node")
+    nodes = _Nodes([adverts[p] for p in peers], cost, R)
+    idx = {p: i for i, p in enumerate(peers)}
+    chains = [[idx[placement.peer(r, s)] for s in range(S)] for r in range(R)]
+    links = [[nodes.link(a, b) for a, b in itertools.pairwise(c)] for c in chains]
+    return Layout(
+        replicas=tuple(tuple(nodes.hosts[i] for i in c) for c in chains),
+        layers=cost.layers,
+        link_mbps=tuple(tuple(m for m, _ in row) for row in links),
+        link_rtt_ms=tuple(tuple(t for _, t in row) for row in links),
+    )
+
+
+def choose_boundary_k(
+    placement: Placement, adverts: Mapping[str, NodeAdvert], cost: CostModel
+) -> tuple[int, ...]:
+    """k of every pipeline boundary for the run, chosen at launch from the nodes placed: the slowest
+    measured link each boundary crosses, in any replica, sets it, so that bytes_per_microbatch(k) /
+    bandwidth fits the compute that hides it (`coordinator.planner.boundary_k`, floored at the settings'
+    k_min). The same k in every replica: stage weights are averaged across replicas."""
+    return boundary_k(cost.shape, placement_layout(placement, adverts, cost), cost.settings)

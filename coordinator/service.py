@@ -13,9 +13,10 @@ from dataclasses import dataclass, field, replace
 import msgpack
 
 from coordinator.lease import HeldLease, renew, try_acquire
-from coordinator.placement import Placement, PlacementError, place, repair, stage_needs
+from coordinator.placement import CostModel, Placement, PlacementError, place, repair, stage_needs
 from protocol import keys
 from protocol.checkpoint import list_rounds
+from protocol.delegation import OperatorTrust, RefusalLog, Untrusted
 from protocol.dht_client import DHTClient, dht_time
 from protocol.envelope import open_envelope, seal
 from protocol.identity import Identity
@@ -67,9 +68,16 @@ class Coordinator:
         record_ttl_s: float = 60.0,
         tick_s: float = 1.0,
         churn_grace_s: float = 10.0,
+        certificate: bytes = b"",
+        trust: OperatorTrust | None = None,
     ) -> None:
+        """identity: the key this coordinator signs with: the operator's own, or a key the operator
+        certified (`certificate`, carried in everything it signs). trust: the operator's trust rule, for
+        what others signed (default: `identity` is the operator's key)."""
         self.identity, self.dht, self.store = identity, dht, store
-        self.trusted = {identity.public_key}
+        self.certificate = certificate
+        self.trust = trust or OperatorTrust.of({identity.public_key})
+        self.refusals = RefusalLog(log)
         self.lease_s, self.record_ttl_s, self.tick_s, self.churn_grace_s = (
             lease_s,
             record_ttl_s,
@@ -99,17 +107,30 @@ class Coordinator:
     # --- lifecycle ----------------------------------------------------------------------------------
     def tick(self) -> None:
         records: dict[str, RunRecord] = {}
-        for signed in self.dht.get_all(keys.RUNS_KEY, RunRecord, self.trusted).values():
+        found = self.dht.get_all(keys.RUNS_KEY, RunRecord).values()
+        for signed in self.trust.filter(found, self.refusals):
             rec = signed.body
             if rec.spec.run_id not in records or rec.updated > records[rec.spec.run_id].updated:
                 records[rec.spec.run_id] = rec
         for rid, rec in records.items():
-            if rid not in self.runs and rec.state in ACTIVE:
-                held = try_acquire(self.store, self.identity, rid, self.lease_s)
+            if rid not in self.runs and rec.state in ACTIVE and self.may_sign_for(rid):
+                held = try_acquire(
+                    self.store,
+                    self.identity,
+                    rid,
+                    self.lease_s,
+                    trusted=self.trust,
+                    certificate=self.certificate,
+                )
                 if held:
                     log.info("run %s: took the lease (term %d)", rid, held.lease.term)
                     self.runs[rid] = run = ManagedRun(
-                        record=replace(rec, term=held.lease.term, coordinator=self.identity.peer_id),
+                        record=replace(
+                            rec,
+                            term=held.lease.term,
+                            coordinator=self.identity.peer_id,
+                            certificate=self.certificate,
+                        ),
                         lease=held,
                     )
                     if rec.state != "pending":  # a takeover: carry on from what the last holder archived
@@ -117,6 +138,10 @@ class Coordinator:
         adverts = self.adverts()
         for rid, run in list(self.runs.items()):
             if run.record.state not in ACTIVE:
+                continue
+            if not self.may_sign_for(rid):  # our certificate expired: nothing we sign counts any more
+                log.error("run %s: letting the lease go: this coordinator may no longer sign for it", rid)
+                del self.runs[rid]
                 continue
             held = renew(self.store, self.identity, run.lease, self.lease_s)
             if held is None:
@@ -132,6 +157,19 @@ class Coordinator:
             elif run.record.state == "stopping":
                 self._watch_stop(run, adverts)
         self._publish(force=False)
+
+    def may_sign_for(self, run_id: str) -> bool:
+        """Whether what we sign for `run_id` is trusted now (the same rule the nodes apply to it); when not,
+        the reason is logged once."""
+        try:
+            self.trust.delegation(self.identity.public_key, self.certificate, run_id, time.time())
+        except Untrusted as e:
+            if self.refusals.first(f"serving {run_id}", e.reason):
+                log.error(
+                    "run %s: not serving it: what this coordinator would sign is refused: %s", run_id, e
+                )
+            return False
+        return True
 
     def _set_state(self, run: ManagedRun, state: str, reason: str = "") -> None:
         log.info(
@@ -150,7 +188,7 @@ class Coordinator:
         self._publish(force=True)
 
     def _archived(self, run: ManagedRun) -> list[Assignment] | None:
-        return read_archive(self.store, run.record.spec, self.trusted)
+        return read_archive(self.store, run.record.spec, self.trust)
 
     @staticmethod
     def _former_of(archived: list[Assignment], *, include_holders: bool) -> dict[tuple[int, int], list[str]]:
@@ -176,7 +214,6 @@ class Coordinator:
                 run.record.spec.run_id,
             )
             return
-        run.assignments = {a.peer_id: a for a in mine}
         run.placement = Placement({(a.replica, a.stage): a.peer_id for a in mine})
         run.epoch = max(a.epoch for a in mine)
         run.former = self._former_of(mine, include_holders=False)
@@ -188,6 +225,26 @@ class Coordinator:
             run.epoch,
             len(mine),
         )
+        # re-issued at once under our term, signed by us: the nodes (training on) now hold our term, so
+        # whatever the deposed leader still signs at its lower term is stale to them
+        term = run.lease.lease.term
+        run.assignments = {
+            a.peer_id: replace(a, term=term, issued_at=dht_time(), certificate=self.certificate) for a in mine
+        }
+        self._archive_and_publish(run)
+
+    def _archive_and_publish(self, run: ManagedRun) -> None:
+        """Archive the run's assignments in the store (a successor adopts them from there), then publish
+        each under its node's DHT key."""
+        spec = run.record.spec
+        blob = msgpack.packb([seal(self.identity, a) for a in run.assignments.values()])
+        try:
+            self.store.put(keys.assign_key(spec.run_id, run.lease.lease.term, run.epoch), blob)
+            self.store.put(keys.spec_key(spec.run_id), seal(self.identity, run.record))
+        except StoreError as e:
+            log.warning("run %s: could not archive assignments in the store: %s", spec.run_id, e)
+        for peer, a in run.assignments.items():
+            self.dht.publish(keys.assignment_key(peer), a, self.record_ttl_s, signer=self.identity)
 
     def _check_control(self, run: ManagedRun) -> None:
         """Act on the run's control object (a stop request) if a trusted key signed it. Anyone with store
@@ -201,7 +258,7 @@ class Coordinator:
         if data is None or run.record.state == "stopping":
             return
         try:
-            ctl = open_envelope(data, RunControl, self.trusted).body
+            ctl = self.trust.open(data, RunControl).body
         except (ProtocolError, ValueError) as e:  # ValueError: a bad signature (SignatureError)
             log.warning("run %s: ignoring control object: %s", run.record.spec.run_id, e)
             return
@@ -215,7 +272,9 @@ class Coordinator:
             a for a in adverts.values() if a.peer_id not in busy and a.state in ("idle", "done", "failed")
         ]
         try:
-            run.placement = place(free, spec.replicas, spec.stages, need_bytes=stage_needs(spec))
+            run.placement = place(
+                free, spec.replicas, spec.stages, need_bytes=stage_needs(spec), cost=CostModel.from_spec(spec)
+            )
         except PlacementError as e:
             if time.monotonic() - run.started > 10:
                 log.info("run %s waiting for nodes: %s", spec.run_id, e)
@@ -278,16 +337,10 @@ class Coordinator:
                     for rr in range(spec.replicas)
                     if run.former.get((rr, s))
                 },
+                certificate=self.certificate,
             )
             run.assignments[peer] = a
-        blob = msgpack.packb([seal(self.identity, a) for a in run.assignments.values()])
-        try:
-            self.store.put(keys.assign_key(spec.run_id, run.lease.lease.term, run.epoch), blob)
-            self.store.put(keys.spec_key(spec.run_id), seal(self.identity, run.record))
-        except StoreError as e:
-            log.warning("run %s: could not archive assignments in the store: %s", spec.run_id, e)
-        for peer, a in run.assignments.items():
-            self.dht.publish(keys.assignment_key(peer), a, self.record_ttl_s, signer=self.identity)
+        self._archive_and_publish(run)
         log.info(
             "run %s: assigned %d nodes (term %d, epoch %d)",
             spec.run_id,
@@ -386,7 +439,14 @@ class Coordinator:
         ]
         alive = {p for p in pl.slots.values() if p not in gone}
         try:
-            new_pl, holes = repair(pl, alive, free, need_bytes=stage_needs(run.record.spec))
+            new_pl, holes = repair(
+                pl,
+                alive,
+                free,
+                need_bytes=stage_needs(run.record.spec),
+                cost=CostModel.from_spec(run.record.spec),
+                adverts=adverts,
+            )
         except PlacementError as e:
             log.info("run %s: cannot rebuild replicas %s yet: %s", run.record.spec.run_id, sorted(broken), e)
             return False
@@ -434,10 +494,15 @@ class Coordinator:
             self.stop_event.wait(self.tick_s)
 
 
-def read_archive(store: ObjectStore, spec: RunSpec, trusted: set[bytes]) -> list[Assignment] | None:
+def read_archive(
+    store: ObjectStore, spec: RunSpec, trusted: OperatorTrust | set[bytes], *, as_issued: bool = False
+) -> list[Assignment] | None:
     """The run's assignments in the newest archive its coordinators wrote ({run}/assign/{term}-{epoch},
-    each signed by a trusted key); None if there is none or it cannot be read (logged)."""
+    each signed by the operator or a coordinator it certified for the run); None if there is none or it
+    cannot be read (logged). as_issued: check each certificate at the assignment's issued_at instead of
+    now (export reads a finished run, whose coordinators' certificates may have expired since)."""
     rid = spec.run_id
+    trust = OperatorTrust.of(trusted)
     try:
         archived = sorted(store.list(f"{rid}/assign/"))
         blob = store.get(archived[-1], max_bytes=MAX_ARCHIVE_BYTES) if archived else None
@@ -449,7 +514,10 @@ def read_archive(store: ObjectStore, spec: RunSpec, trusted: set[bytes]) -> list
         )
         if not isinstance(envelopes, list):
             raise ProtocolError("the assignment archive is not a list of envelopes")
-        found = [open_envelope(e, Assignment, trusted).body for e in envelopes]
+        found = []
+        for e in envelopes:
+            signed = open_envelope(e, Assignment)
+            found.append(trust.admit(signed, signed.body.issued_at if as_issued else None).body)
     except (StoreError, ProtocolError, ValueError, msgpack.UnpackException) as e:
         log.warning("run %s: cannot read the assignment archive (%s)", rid, e)
         return None

@@ -34,6 +34,8 @@ from collections import Counter, OrderedDict
 from collections.abc import Callable
 from dataclasses import dataclass, field
 
+from node.link_probe import serve_probe
+from node.transport import Shaper
 from protocol.envelope import open_envelope
 from protocol.framing import HEADER
 from protocol.messages import Hello
@@ -111,6 +113,8 @@ class Acceptor:
         max_skew_s: float = 60.0,
         backoff_max_s: float = 1.0,
         clock: Callable[[], float] = time.time,
+        probe_shaper: Shaper | None = None,
+        max_probes: int = 2,
     ) -> None:
         """peer_id: this node's peer id; hellos must be addressed to it (None: not checked, for tests and
         callers not yet sending addressed hellos). clock: Unix time for `Hello.sent_at` (injectable)."""
@@ -131,6 +135,10 @@ class Acceptor:
         self.max_pending, self.max_held = max_pending, max_held
         self.max_skew_s, self.backoff_max_s = max_skew_s, backoff_max_s
         self.clock = clock
+        self.probe_shaper, self.max_probes = probe_shaper or Shaper(), max_probes
+        self._probes_active = 0
+        self.probes_served = 0
+        """Bandwidth probes answered (authenticated like hellos; node/link_probe.py)."""
         self._port = int(server.getsockname()[1])
         self.rejected = 0
         """Connections refused for their hello: malformed, badly signed, misaddressed, stale, replayed,
@@ -295,7 +303,38 @@ class Acceptor:
                 self._log_rejected.warning("rejected pipeline connection from %s: %s", hs.addr, e)
                 return
             hs.conn.setblocking(True)
-            self._hold(hello, hs.conn)
+            if hello.probe_bytes:
+                self._probe(hello, hs)
+            else:
+                self._hold(hello, hs.conn)
+
+    def _probe(self, hello: Hello, hs: _Handshake) -> None:
+        """An authenticated bandwidth probe (node/link_probe.py): served on its own thread, at most
+        `max_probes` at once (a node probes a few peers per refresh; more is a flood)."""
+        with self._cond:
+            busy = self._probes_active >= self.max_probes or self.peer_id is None
+            if not busy:
+                self._probes_active += 1
+        if busy:
+            hs.conn.close()
+            self._count("rejected")
+            self._log_rejected.warning(
+                "refused probe from %s (%s): %d probes already running",
+                hs.addr,
+                hello.peer_id[-8:],
+                self.max_probes,
+            )
+            return
+
+        def serve() -> None:
+            try:
+                serve_probe(hs.conn, hello, self.probe_shaper)
+            finally:
+                with self._cond:
+                    self._probes_active -= 1
+                    self.probes_served += 1
+
+        threading.Thread(target=serve, name="probe", daemon=True).start()
 
     def _close_pending_keep_socket(self, hs: _Handshake) -> None:
         del self._pending[hs.conn]

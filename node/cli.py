@@ -83,7 +83,8 @@ SETTINGS: tuple[Setting, ...] = (
             f"Ed25519 identity seed file (default {NODE_KEY}; created if missing)", "--key-file"),
     Setting("node", "operator_key", str, EXAMPLE_PEER_ID,
             "required: peer id (12D3KooW...) of the operator whose signed runs/assignments are trusted "
-            "(nothing signed by any other key is accepted)", "--operator-key", "PEER_ID"),
+            "(nothing else is, but the coordinator keys it certified with `crucible-coordinator certify`)",
+            "--operator-key", "PEER_ID"),
     Setting("node", "price_per_hour", float, 1.17, "USD per hour this host costs (advertised)",
             "--price-per-hour"),
     Setting("node", "torch_threads", int, 8, "torch intra-op threads (default: torch's choice)",
@@ -96,6 +97,27 @@ SETTINGS: tuple[Setting, ...] = (
             "in the file: compile = false", "--no-compile"),
     Setting("node", "log_level", str, "INFO", f"log level: {', '.join(LOG_LEVELS)} (default INFO)",
             "--log-level"),
+    Setting("node", "emulate_mbps", float, 20.0,
+            "emulate a slow link for tests on one host: pace this node's pipeline sends and bandwidth "
+            "probes at this many Mbit/s (default 0: off)", "--emulate-mbps"),
+    Setting("node", "emulate_delay_ms", float, 5.0,
+            "emulated one-way delay on this node's pipeline frames (default 0: off)", "--emulate-delay-ms"),
+    Setting("node", "probe_every_s", float, 30.0,
+            "while idle, measure bandwidth/RTT to a few peers this often, seconds (default 30)",
+            "--probe-every-s"),
+    Setting("node", "probe_peers", int, 2, "peers measured per probe round (default 2; 0: none)",
+            "--probe-peers"),
+    Setting("node", "probe_bytes", int, 1048576, "bytes per bandwidth probe (default 1 MiB)"),
+    Setting("node", "coordinator_eligible", bool, True,
+            "be a candidate coordinator: run `crucible-coordinator serve` as a supervised child that signs "
+            "with this node's key under --coordinator-certificate (needs --store-endpoint)",
+            "--coordinator-eligible"),
+    Setting("node", "coordinator_certificate", str, "node.cert",
+            "the certificate the operator issued for this node's peer id (`crucible-coordinator certify`)",
+            "--coordinator-certificate", "PATH"),
+    Setting("node", "coordinator_lease_s", float, 15.0,
+            "lease of the coordinator role, seconds: how soon another candidate takes over (default 15)",
+            "--coordinator-lease-s"),
     Setting("node", "advert_ttl_s", float, 30.0, "DHT advert lifetime in seconds (default 30)"),
     Setting("node", "poll_s", float, 1.0, "how often to look for an assignment, seconds (default 1)"),
     Setting("store", "endpoint_url", str, "https://ACCOUNT.r2.cloudflarestorage.com",
@@ -164,7 +186,8 @@ def build_parser() -> ArgumentParser:
         if s.kind is list:
             j.add_argument(s.flag, dest=_dest(s), action="append", metavar=metavar, help=s.help)
         elif s.kind is bool:
-            j.add_argument(s.flag, dest=_dest(s), action="store_const", const=False, help=s.help)
+            const = not s.flag.startswith("--no-")  # --no-compile turns off; --coordinator-eligible on
+            j.add_argument(s.flag, dest=_dest(s), action="store_const", const=const, help=s.help)
         else:
             j.add_argument(s.flag, dest=_dest(s), metavar=metavar, help=s.help)
     _add_debug(j)

@@ -14,27 +14,41 @@ import threading
 import time
 from dataclasses import dataclass, field
 from functools import lru_cache
+from pathlib import Path
 
 import torch
 
 from node.acceptor import Acceptor
+from node.coordinator_child import CoordinatorChild
 from node.data import Corpus
 from node.device import DeviceError, describe, free_memory_bytes, resolve_device, resolve_precision
 from node.health import HealthServer
+from node.link_probe import LinkMeasure, ProbeError, probe_peer
 from node.preflight import refuse_if_taken, refuse_live_twin
 from node.probe import device_name, measure_store_mbps, measure_tflops, memory_gb
-from node.transport import LinkError, listen
+from node.transport import LinkError, Shaper, listen
 from node.worker import StageWorker, WorkerMetrics
 from protocol import keys
+from protocol.delegation import OperatorTrust, RefusalLog
 from protocol.dht_client import DHTClient, dht_time
 from protocol.identity import Identity, public_key_of_peer_id
 from protocol.memory import GB, fits, stage_memory
-from protocol.messages import MAX_PRICE_PER_HOUR, Assignment, NodeAdvert, RunRecord
+from protocol.messages import (
+    MAX_MBPS,
+    MAX_PRICE_PER_HOUR,
+    MAX_PROBE_BYTES,
+    MAX_RTT_MS,
+    Assignment,
+    NodeAdvert,
+    RunRecord,
+)
 from protocol.schema import ProtocolError, check_range
 from protocol.store import ObjectStore, StoreConfig, StoreError
 
 log = logging.getLogger(__name__)
 VERSION = "0.1.0"
+ADVERTISED_PEERS = 16
+"""Measured links a node advertises (the most recent ones)."""
 ADVERT_ERROR_CHARS = 500  # the reason a failed assignment is advertised with, cut to keep adverts small
 
 
@@ -57,8 +71,9 @@ class NodeConfig:
     key_file: str = "~/.crucible/node.key"
     """Ed25519 identity seed; created on first start. The peer id is derived from it."""
     operator_key: str = ""
-    """Peer id (12D3KooW...) of the swarm operator whose signatures on runs and assignments are trusted.
-    Required to join (`crucible-node join` refuses to start without it): nothing else is trusted."""
+    """Peer id (12D3KooW...) of the swarm operator whose signatures on runs and assignments are trusted,
+    with those of the coordinator keys it certified (protocol/delegation.py). Required to join
+    (`crucible-node join` refuses to start without it): nothing else is trusted."""
     price_per_hour: float = 0.0
     """What this host costs, USD per hour (advertised for placement and $/Mtok)."""
     store: StoreConfig | None = None
@@ -74,6 +89,26 @@ class NodeConfig:
     CPU), "cuda", "cuda:N" or "cpu"."""
     compile: bool = True
     """torch.compile the stage on CUDA (first step slower, then ~20% more MFU); off with --no-compile."""
+    emulate_mbps: float = 0.0
+    """Emulate a slow link: pace this node's pipeline sends and bandwidth probes at this many Mbit/s
+    (testing on one host; 0 = off). The run spec's [pipeline] shaper still applies; the slower wins."""
+    emulate_delay_ms: float = 0.0
+    """Emulated one-way delay added to this node's pipeline frames (testing; 0 = off)."""
+    probe_every_s: float = 30.0
+    """While not training, measure bandwidth and RTT to `probe_peers` other nodes this often."""
+    probe_peers: int = 2
+    """Peers probed per round (the least recently measured first); never a flood."""
+    probe_bytes: int = 1 << 20
+    """Bytes per probe (capped by the protocol at 16 MiB)."""
+    coordinator_eligible: bool = False
+    """Run the coordinator role as a child process (node/coordinator_child.py): a candidate in the
+    election by store lease, signing with this node's key under `coordinator_certificate`."""
+    coordinator_certificate: str = ""
+    """The certificate `crucible-coordinator certify` issued to this node's peer id (required when
+    eligible)."""
+    coordinator_lease_s: float = 15.0
+    """Lease duration of the coordinator role: how long a dead leader holds its runs before another
+    candidate takes over."""
 
     def __post_init__(self) -> None:
         d = self.device.strip().lower()
@@ -93,6 +128,22 @@ class NodeConfig:
             check_range(f"{name} (--{name.replace('_', '-')})", port, 0, 65535)
         check_range("poll_s", self.poll_s, 0.01, 3600)
         check_range("torch_threads (--torch-threads)", self.torch_threads, 0, 4096)
+        check_range("emulate_mbps (--emulate-mbps)", self.emulate_mbps, 0, MAX_MBPS)
+        check_range("emulate_delay_ms (--emulate-delay-ms)", self.emulate_delay_ms, 0, MAX_RTT_MS)
+        check_range("probe_every_s (--probe-every-s)", self.probe_every_s, 1, 86400)
+        check_range("probe_peers (--probe-peers)", self.probe_peers, 0, ADVERTISED_PEERS)
+        check_range("probe_bytes (--probe-bytes)", self.probe_bytes, 1024, MAX_PROBE_BYTES)
+        check_range("coordinator_lease_s (--coordinator-lease-s)", self.coordinator_lease_s, 1, 3600)
+        if self.coordinator_eligible and not self.coordinator_certificate:
+            raise ValueError(
+                "coordinator_eligible needs coordinator_certificate: the operator issues one with "
+                "`crucible-coordinator certify PEER_ID --expires 30d --any-run --out node.cert` "
+                "(example: --coordinator-certificate node.cert)"
+            )
+        if self.coordinator_eligible and self.store is None:
+            raise ValueError(
+                "coordinator_eligible needs a store (--store-endpoint): the leader holds its lease there"
+            )
         if self.operator_key:
             try:
                 public_key_of_peer_id(self.operator_key)
@@ -136,12 +187,17 @@ class NodeDaemon:
             raise ValueError(str(e)) from e
         if not cfg.operator_key:  # no trust root, no assignments: a stranger could point the stage anywhere
             raise ValueError("operator_key is required: the node trusts runs and assignments from it alone")
-        self.trusted = {public_key_of_peer_id(cfg.operator_key)}
+        # the operator's key and the coordinator keys it certified (protocol/delegation.py); refusals are
+        # logged once per signer and reason
+        self.trust = OperatorTrust.of({public_key_of_peer_id(cfg.operator_key)})
+        self.refusals = RefusalLog(log)
         self.stop_event = threading.Event()
         self._advert_wake = threading.Event()  # set on state changes: publish now, not at the next refresh
         self.metrics = WorkerMetrics()
         self.assignment: Assignment | None = None
         self._stop_reason: str | None = None
+        self.coordinator_role: CoordinatorChild | None = None
+        self._stale_logged: set[tuple[int, int, float]] = set()
         self._worker_thread: threading.Thread | None = None
         self._worker: StageWorker | None = None
         try:
@@ -158,7 +214,9 @@ class NodeDaemon:
                 refuse_if_taken(e, "--port", cfg.host, cfg.port)
                 raise
             # hellos addressed to us only
-            self.acceptor = Acceptor(self.server, peer_id=self.identity.peer_id)
+            self.shaper = Shaper(bandwidth_mbps=cfg.emulate_mbps, delay_ms=cfg.emulate_delay_ms)
+            self.links: dict[str, LinkMeasure] = {}  # peer -> the latest probe of it
+            self.acceptor = Acceptor(self.server, peer_id=self.identity.peer_id, probe_shaper=self.shaper)
             undo.callback(self.acceptor.close)
             try:
                 self.dht = DHTClient(identity, bootstrap=cfg.bootstrap, host=cfg.host, port=cfg.dht_port)
@@ -181,6 +239,7 @@ class NodeDaemon:
             self.tflops = self.tflops_bf16 if self.default_precision == "bf16" else self.tflops_fp32
             self.store_mbps = measure_store_mbps(self.store) if self.store else 0.0
             self._advert_thread = threading.Thread(target=self._advert_loop, name="advert", daemon=True)
+            self._probe_thread = threading.Thread(target=self._probe_loop, name="link-probe", daemon=True)
             try:  # advertised before "ready": a second process with this peer id started now finds it
                 self.dht.publish(keys.NODES_KEY, self.advert(), cfg.advert_ttl_s)
             except Exception as e:  # the advert loop retries
@@ -207,6 +266,9 @@ class NodeDaemon:
             port=self.acceptor.port,
             health_port=self.health.port,
             store_mbps=round(self.store_mbps, 1),
+            coordinator_eligible=self.cfg.coordinator_eligible,
+            peer_mbps={p: round(m.mbps, 1) for p, m in self._advertised_links()},
+            peer_rtt_ms={p: round(m.rtt_ms, 2) for p, m in self._advertised_links()},
             free_memory_gb=round(self._free_bytes() / GB, 2),
             state=m.state,  # type: ignore[arg-type]
             error=m.error[:ADVERT_ERROR_CHARS] if m.state == "failed" else "",
@@ -222,6 +284,41 @@ class NodeDaemon:
             bytes_store=m.bytes_store_up + m.bytes_store_down,
             timestamp=dht_time(),
         )
+
+    def _advertised_links(self) -> list[tuple[str, LinkMeasure]]:
+        newest = sorted(self.links.items(), key=lambda kv: -kv[1].at)
+        return newest[:ADVERTISED_PEERS]
+
+    def _probe_loop(self) -> None:
+        """Measure bandwidth and RTT to a few peers at a time while not training (probes would steal the
+        pipeline's bandwidth), the least recently measured first; results go into the advert."""
+        while not self.stop_event.wait(1.0 if not self.links else self.cfg.probe_every_s):
+            if self.metrics.state in ("assigned", "training") or not self.cfg.probe_peers:
+                continue
+            try:
+                nodes = self.dht.get_all(keys.NODES_KEY, NodeAdvert)
+            except Exception as e:
+                log.debug("no node list to probe from: %s", e)
+                continue
+            others = [
+                s.body
+                for s in nodes.values()
+                if s.body.peer_id != self.peer_id and s.body.peer_id == s.signer_id
+            ]
+            others.sort(key=lambda a: self.links[a.peer_id].at if a.peer_id in self.links else -1.0)
+            for a in others[: self.cfg.probe_peers]:
+                try:
+                    self.links[a.peer_id] = probe_peer(
+                        self.identity,
+                        a.peer_id,
+                        a.host,
+                        a.port,
+                        nbytes=self.cfg.probe_bytes,
+                        shaper=self.shaper,
+                    )
+                except (ProbeError, ValueError) as e:
+                    log.info("%s", e)
+            self._advert_wake.set()
 
     def _advert_loop(self) -> None:
         while not self.stop_event.is_set():
@@ -245,6 +342,13 @@ class NodeDaemon:
             "tflops_fp32": self.tflops_fp32,
             "tflops_bf16": self.tflops_bf16,
             "store_mbps": self.store_mbps,
+            "coordinator_role": None
+            if self.coordinator_role is None
+            else {"pid": self.coordinator_role.pid, "restarts": self.coordinator_role.restarts},
+            "links": {
+                p: {"mbps": round(m.mbps, 1), "rtt_ms": round(m.rtt_ms, 2)}
+                for p, m in self._advertised_links()
+            },
             "assignment": None
             if a is None
             else {
@@ -261,7 +365,9 @@ class NodeDaemon:
     def _poll_assignment(self) -> Assignment | None:
         found = [
             s.body
-            for s in self.dht.get_all(keys.assignment_key(self.peer_id), Assignment, self.trusted).values()
+            for s in self.trust.filter(
+                self.dht.get_all(keys.assignment_key(self.peer_id), Assignment).values(), self.refusals
+            )
         ]
         for a in found:
             if a.peer_id != self.peer_id:
@@ -277,15 +383,19 @@ class NodeDaemon:
                 best[x.run_id] = x
         a = max(best.values(), key=lambda x: x.issued_at)
         cur = self.assignment
+        for x in mine:  # e.g. what a deposed coordinator still signs at its lower term: said once each
+            if cur is not None and x.run_id == cur.run_id and (x.term, x.epoch) < (cur.term, cur.epoch):
+                if (x.term, x.epoch, x.issued_at) not in self._stale_logged:
+                    self._stale_logged.add((x.term, x.epoch, x.issued_at))
+                    log.info(
+                        "ignoring stale assignment of run %s term %d epoch %d (holding term %d epoch %d)",
+                        x.run_id,
+                        x.term,
+                        x.epoch,
+                        cur.term,
+                        cur.epoch,
+                    )
         if cur is not None and a.run_id == cur.run_id and (a.term, a.epoch) <= (cur.term, cur.epoch):
-            if (a.term, a.epoch) < (cur.term, cur.epoch):
-                log.info(
-                    "ignoring stale assignment term %d epoch %d (holding %d/%d)",
-                    a.term,
-                    a.epoch,
-                    cur.term,
-                    cur.epoch,
-                )
             return None
         if a.stage == -1:  # released by the coordinator
             return a
@@ -314,7 +424,7 @@ class NodeDaemon:
     def _run_state(self, run_id: str) -> str | None:
         recs = [
             s.body
-            for s in self.dht.get_all(keys.RUNS_KEY, RunRecord, self.trusted).values()
+            for s in self.trust.filter(self.dht.get_all(keys.RUNS_KEY, RunRecord).values(), self.refusals)
             if s.body.spec.run_id == run_id
         ]
         return max(recs, key=lambda r: r.updated).state if recs else None
@@ -349,6 +459,7 @@ class NodeDaemon:
             should_stop=lambda: self._stop_reason,
             device=self.device,
             compile=self.cfg.compile,
+            node_shaper=self.shaper,
         )
 
         def run() -> None:
@@ -413,8 +524,32 @@ class NodeDaemon:
             log.warning("worker did not stop within %.0f s", timeout_s)
 
     # --- main loop --------------------------------------------------------------------------------
+    def _start_coordinator_role(self) -> None:
+        """The coordinator role as a supervised child (node/coordinator_child.py)."""
+        cfg, store = self.cfg, self.cfg.store
+        assert store is not None
+        bootstrap = cfg.bootstrap or self.dht.visible_maddrs()[:1]
+        args = [a for b in bootstrap for a in ("--bootstrap", b)]
+        args += ["--host", cfg.host, "--store-endpoint", store.endpoint_url, "--store-bucket", store.bucket]
+        args += [
+            "--key-file",
+            str(Path(cfg.key_file).expanduser()),
+            "--certificate",
+            cfg.coordinator_certificate,
+        ]
+        args += ["--operator-key", cfg.operator_key, "--lease-s", str(cfg.coordinator_lease_s)]
+        env = {}  # credentials by environment, not on a command line that `ps` shows
+        if store.access_key:
+            env = {"AWS_ACCESS_KEY_ID": store.access_key, "AWS_SECRET_ACCESS_KEY": store.secret_key}
+        log_path = Path(cfg.key_file).expanduser().with_name(f"coordinator-{self.peer_id[-8:]}.log")
+        self.coordinator_role = CoordinatorChild(args, log_path, env)
+        self.coordinator_role.start()
+
     def serve(self) -> None:
+        if self.cfg.coordinator_eligible:
+            self._start_coordinator_role()
         self._advert_thread.start()
+        self._probe_thread.start()
         last_run_check = 0.0
         while not self.stop_event.is_set():
             try:
@@ -439,6 +574,8 @@ class NodeDaemon:
         """Ordered clean-up: worker, advert, acceptor, health, DHT."""
         self.stop_event.set()
         self._advert_wake.set()
+        if self.coordinator_role is not None:
+            self.coordinator_role.stop()
         self._stop_worker("node shutting down", timeout_s=30)
         self.acceptor.close()
         self.health.close()

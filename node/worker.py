@@ -114,8 +114,11 @@ class StageWorker:
         connect_timeout_s: float = 120.0,
         device: torch.device | None = None,
         compile: bool = True,
+        node_shaper: Shaper | None = None,
     ) -> None:
-        """device: where the stage trains (default CPU); compile: torch.compile the stage on CUDA."""
+        """device: where the stage trains (default CPU); compile: torch.compile the stage on CUDA;
+        node_shaper: the node's emulated link (--emulate-mbps), applied to its links' sends."""
+        self.node_shaper = node_shaper or Shaper()
         self.device = device or torch.device("cpu")
         self.compile = compile
         self.a = assignment
@@ -134,8 +137,11 @@ class StageWorker:
 
     # --- set-up -----------------------------------------------------------------------------------
     def _shaper(self) -> Shaper:
-        p = self.spec.pipeline
-        return Shaper(bandwidth_mbps=p.bandwidth_mbps, delay_ms=p.delay_ms)
+        """The run's [pipeline] shaper combined with this node's emulated link: the slower rate and the
+        longer delay win."""
+        p, own = self.spec.pipeline, self.node_shaper
+        rates = [r for r in (p.bandwidth_mbps, own.bandwidth_mbps) if r > 0]
+        return Shaper(bandwidth_mbps=min(rates, default=0.0), delay_ms=max(p.delay_ms, own.delay_ms))
 
     def _open_links(self) -> int:
         """Accept upstream, then connect downstream; returns the step this replica starts from.

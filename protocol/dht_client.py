@@ -75,7 +75,10 @@ class DHTClient:
         port: int = 0,
         announce_host: str | None = None,
         startup_timeout_s: float = 30.0,
+        client_mode: bool = False,
     ) -> None:
+        """client_mode: a short-lived client (status, launch, stop) that asks and stores but serves no
+        one's records and takes no place in the routing tables (hivemind's client_mode)."""
         peers = [validate_multiaddr(a) for a in bootstrap or []]
         self.identity = identity
         self.rejected: Counter[str] = Counter()
@@ -85,6 +88,8 @@ class DHTClient:
         key_path = Path(self._key_dir.name) / "libp2p.key"
         identity.write_libp2p_key(key_path)
         kwargs: dict = {}
+        if client_mode:
+            kwargs["client_mode"] = True
         if announce_host:
             kwargs["announce_maddrs"] = [f"/ip4/{announce_host}/tcp/{port}"] if port else None
         try:

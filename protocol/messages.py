@@ -30,9 +30,17 @@ MAX_MBPS = 1e7
 MAX_RTT_MS = 1e6
 """Round trips longer than 1000 s are not measurements."""
 MAX_TEXT = 256
+MAX_PROBE_BYTES = 16 << 20
+"""A bandwidth probe sends at most this much (node/link_probe.py)."""
 MAX_FORMER_PEERS = 64
 MAX_REPLICAS = 1 << 16
 """RunSpec's bound on R."""
+MAX_CERTIFICATE_BYTES = 1024
+"""A sealed Delegation (protocol/delegation.py) is about 300 bytes."""
+MAX_DELEGATION_S = 366 * 86400.0
+"""Longest a certificate may be valid: expiry is its only revocation, so none outlives a year."""
+ANY_RUN = "*"
+"""Delegation.run for a certificate valid for every run of the operator."""
 """Replacements remembered per slot (a run that churns more than that forgets the oldest)."""
 """Peer ids, hosts, device and version strings."""
 
@@ -44,6 +52,13 @@ def _check_text(where: str, value: str, *, empty_ok: bool = True) -> None:
 
 def _check_port(where: str, port: int) -> None:
     check_range(where, port, 0, MAX_PORT)
+
+
+def _check_certificate(where: str, certificate: bytes) -> None:
+    if len(certificate) > MAX_CERTIFICATE_BYTES:
+        raise ValueError(
+            f"{where} holds {len(certificate)} bytes, more than a certificate's {MAX_CERTIFICATE_BYTES}"
+        )
 
 
 NodeState = Literal["idle", "assigned", "training", "done", "failed"]
@@ -159,12 +174,20 @@ class RunRecord:
     updated: float = 0.0
     reason: str = ""
     """Why the run failed (the nodes' reported errors), for `status` and `--watch`."""
+    certificate: bytes = b""
+    """The signer's certificate (a Delegation sealed by the operator's key, protocol/delegation.py) when a
+    coordinator key signed this; empty when the operator's key signed it itself."""
 
     def __post_init__(self) -> None:
         check_range("RunRecord.term", self.term, 0, MAX_COUNT)
         _check_text("RunRecord.coordinator", self.coordinator)
         _check_text("RunRecord.reason", self.reason)
         check_range("RunRecord.updated", self.updated, 0, MAX_TIME_S)
+        _check_certificate("RunRecord.certificate", self.certificate)
+
+    @property
+    def run_id(self) -> str:
+        return self.spec.run_id
 
 
 @dataclass(kw_only=True, frozen=True)
@@ -197,9 +220,13 @@ class Assignment:
     """Replica index -> peer ids that served this stage in that replica earlier in the run (replaced after
     churn). Their fragments of past rounds, listed in an agreed round record, are still that slot's: a
     rebuilt replica replaying those rounds applies exactly what the others applied."""
+    certificate: bytes = b""
+    """The signer's certificate (a Delegation sealed by the operator's key, protocol/delegation.py) when a
+    coordinator key signed this; empty when the operator's key signed it itself."""
 
     def __post_init__(self) -> None:
         check_run_id("Assignment.run_id", self.run_id)
+        _check_certificate("Assignment.certificate", self.certificate)
         if self.run_id != self.spec.run_id:
             raise ValueError(
                 f"Assignment.run_id={describe(self.run_id)} must equal its spec's run_id "
@@ -245,9 +272,13 @@ class Lease:
     term: int
     holder: str
     expires_at: float
+    certificate: bytes = b""
+    """The signer's certificate (a Delegation sealed by the operator's key, protocol/delegation.py) when a
+    coordinator key signed this; empty when the operator's key signed it itself."""
 
     def __post_init__(self) -> None:
         check_run_id("Lease.run_id", self.run_id)
+        _check_certificate("Lease.certificate", self.certificate)
         check_range("Lease.term", self.term, 0, MAX_COUNT)
         _check_text("Lease.holder", self.holder)
         check_range("Lease.expires_at", self.expires_at, 0, MAX_TIME_S)
@@ -260,10 +291,46 @@ class RunControl:
     run_id: str
     action: Literal["stop"]
     issued_at: float
+    certificate: bytes = b""
+    """The signer's certificate (a Delegation sealed by the operator's key, protocol/delegation.py) when a
+    coordinator key signed this; empty when the operator's key signed it itself."""
 
     def __post_init__(self) -> None:
         check_run_id("RunControl.run_id", self.run_id)
+        _check_certificate("RunControl.certificate", self.certificate)
         check_range("RunControl.issued_at", self.issued_at, 0, MAX_TIME_S)
+
+
+@dataclass(kw_only=True, frozen=True)
+class Delegation:
+    """A certificate: the operator's key (the signer of the envelope around it) lets the key `subject` sign
+    as `role` for the run `run` (or every run: "*") from `issued_at` until `expires_at`. Carried in the
+    `certificate` field of what the subject signs; checked by protocol/delegation.py."""
+
+    subject: str
+    """Peer id (12D3KooW...) of the certified key."""
+    role: str = "coordinator"
+    """What the key may sign as; "coordinator" (leases, run records, assignments, control objects)."""
+    run: str
+    """The run id the certificate is valid for, or "*" (ANY_RUN) for every run."""
+    issued_at: float
+    """Unix time of issue (readers allow a few minutes of clock skew before it)."""
+    expires_at: float
+    """Unix time from which the certificate is void; at most MAX_DELEGATION_S after issued_at."""
+
+    def __post_init__(self) -> None:
+        _check_text("Delegation.subject", self.subject, empty_ok=False)
+        if not 1 <= len(self.role) <= 64:
+            raise ValueError(f"Delegation.role={describe(self.role)} must be 1-64 characters")
+        if self.run != ANY_RUN:
+            check_run_id("Delegation.run", self.run)
+        check_range("Delegation.issued_at", self.issued_at, 0, MAX_TIME_S)
+        check_range("Delegation.expires_at", self.expires_at, 0, MAX_TIME_S)
+        if not 0 < self.expires_at - self.issued_at <= MAX_DELEGATION_S:
+            raise ValueError(
+                f"Delegation.expires_at={describe(self.expires_at)} must lie after issued_at="
+                f"{describe(self.issued_at)} and at most {MAX_DELEGATION_S:g} s (366 days) after it"
+            )
 
 
 @dataclass(kw_only=True, frozen=True)
@@ -282,6 +349,8 @@ class Hello:
     """The recipient's (downstream node's) peer id: a captured hello is refused by any other node."""
     sent_at: float = 0.0
     """Unix time the hello was signed: the recipient refuses one outside its skew window, or seen before."""
+    probe_bytes: int = 0
+    """> 0: not a pipeline link but a bandwidth probe of this many bytes (node/link_probe.py)."""
 
     def __post_init__(self) -> None:
         check_run_id("Hello.run_id", self.run_id)
@@ -290,6 +359,7 @@ class Hello:
         _check_text("Hello.peer_id", self.peer_id, empty_ok=False)
         _check_text("Hello.to_peer_id", self.to_peer_id)
         check_range("Hello.sent_at", self.sent_at, 0, MAX_TIME_S)
+        check_range("Hello.probe_bytes", self.probe_bytes, 0, MAX_PROBE_BYTES)
 
 
 @dataclass(kw_only=True, frozen=True)

@@ -181,8 +181,19 @@ class Swarm:
     """Starts and stops the processes of a local swarm; usable from tests too."""
 
     def __init__(
-        self, out: Path, n_nodes: int, *, node_env: dict[str, str] | None = None, device: str = "auto"
+        self,
+        out: Path,
+        n_nodes: int,
+        *,
+        node_env: dict[str, str] | None = None,
+        device: str = "auto",
+        node_args: dict[int, list[str]] | None = None,
+        coordinator: bool = True,
     ) -> None:
+        """node_args: extra `crucible-node join` flags for node i (e.g. an emulated slow link);
+        coordinator: start a standalone coordinator (False: coordinator-eligible nodes lead)."""
+        self.node_args = node_args or {}
+        self.with_coordinator = coordinator
         self.device = device
         self.out = out
         self.out.mkdir(parents=True, exist_ok=True)
@@ -230,13 +241,15 @@ class Swarm:
         self.bootstrap = boot.wait_for(r"BOOTSTRAP (\S+)", ready_timeout_s).group(1)
         self.operator_key_file = self.out / "operator.key"
         self.operator = Identity.load_or_create(self.operator_key_file)
-        self.coordinator = self._spawn(
-            self._name("coordinator"),
-            ["-m", "coordinator.cli", "serve", *self.swarm_flags(), *self.operator_flags()],
-        )
+        if self.with_coordinator:
+            self.coordinator = self._spawn(
+                self._name("coordinator"),
+                ["-m", "coordinator.cli", "serve", *self.swarm_flags(), *self.operator_flags()],
+            )
         for i in range(self.n_nodes):
             self.add_node(i)
-        self.coordinator.wait_for(r"crucible-coordinator ready", ready_timeout_s)
+        if self.with_coordinator:
+            self.coordinator.wait_for(r"crucible-coordinator ready", ready_timeout_s)
         for node in self.nodes:
             self.health.append(node.wait_for(r"health=(\S+)/health", ready_timeout_s).group(1))
         self.write_pids()
@@ -263,6 +276,7 @@ class Swarm:
                 self.device,
                 "--price-per-hour",
                 f"{NODE_PRICE_PER_HOUR:.2f}",
+                *self.node_args.get(i, []),
             ],
             self.node_env,
         )

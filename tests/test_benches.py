@@ -53,3 +53,9 @@ def test_sweep_quality_runs_bench_quality_per_seed_and_arm(tmp_path) -> None:  #
     gap = out["gaps"]["sparseloco_vs_adamw"]
     assert gap["n"] == 2 and abs(gap["mean"]) < 0.5  # both arms trained: neither is off by half
     assert len(list(tmp_path.glob("seed*_*.log"))) == 4
+
+
+def test_bench_placement_small_pools() -> None:
+    out = run_bench("scripts.bench_placement", "--sizes", "100,1000")
+    assert out["place_s_1000"] < 5.0  # 0.4 s measured; the bound leaves room for a loaded machine
+    assert out["gain_vs_random"] > 0 and out["gain_vs_greedy"] > 0

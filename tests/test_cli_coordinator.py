@@ -257,7 +257,9 @@ def test_plan_warns_when_a_pool_entry_has_no_price(home: Path) -> None:
 
 
 # -------------------------------------------------------------------------------------------- help
-@pytest.mark.parametrize("command", ["", "init", "serve", "launch", "status", "stop", "export", "plan"])
+@pytest.mark.parametrize(
+    "command", ["", "init", "certify", "serve", "launch", "status", "stop", "export", "plan"]
+)
 def test_help_of_every_subcommand(home: Path, command: str) -> None:
     r = crucible(home, *([command] if command else []), "--help")
     assert r.returncode == 0 and "usage: crucible-coordinator" in r.stdout and not r.stderr, r.stderr

@@ -209,6 +209,43 @@ def test_two_outer_rounds_identical_consensus(
     assert out.count("swarm-a") >= 5  # the run line and its 4 nodes
 
 
+def test_two_runs_at_once_share_the_swarm_and_nothing_else(swarm: Swarm, tmp_path: Path) -> None:
+    """Issue 13 acceptance 5: two runs launched at once (1 replica x 2 stages each) on the 4 nodes both
+    complete, each on its own two nodes; everything each wrote to the store is under its own prefix, and
+    its DHT records (run record subkey, its nodes' assignments) name only itself."""
+    runs = ("swarm-p", "swarm-q")
+    for rid in runs:
+        toml = tmp_path / f"{rid}.toml"
+        toml.write_text(
+            RUN_TOML.format(run_id=rid, steps=10, H=5, timeout=60).replace("replicas = 2", "replicas = 1")
+        )
+        swarm.launch(toml)
+
+    def both_done() -> dict[str, list[dict]] | None:
+        got = {rid: run_metrics(swarm, rid) for rid in runs}
+        ok = all(
+            len(ms) == 2 and all(m["state"] == "done" and m["step"] == 10 for m in ms) for ms in got.values()
+        )
+        return got if ok else None
+
+    got = wait_until(both_done, 240, "both runs to finish")
+    peers = {
+        rid: {st["peer_id"] for st in swarm.statuses() if st and st["metrics"]["run_id"] == rid}
+        for rid in runs
+    }
+    assert not peers["swarm-p"] & peers["swarm-q"] and all(len(p) == 2 for p in peers.values())
+    for ms in got.values():
+        last = next(m for m in ms if m["stage"] == 1)
+        assert last["val_history"][-1][1] < last["val_history"][0][1]
+    store = ObjectStore(StoreConfig(endpoint_url=swarm.store_url, bucket="crucible"))
+    for rid in runs:
+        keys_of_run = store.list(f"{rid}/")
+        assert any("/sync/" in k for k in keys_of_run) and any("/ckpt/" in k for k in keys_of_run)
+        other = runs[1 - runs.index(rid)]
+        assert not [k for k in keys_of_run if other in k]
+    assert not [k for k in store.list("swarm-") if not k.startswith(("swarm-a/", "swarm-p/", "swarm-q/"))]
+
+
 def _slots(swarm: Swarm, run_id: str) -> dict[tuple[int, int], int]:
     """(replica, stage) -> index of the node serving it, from the nodes' /status."""
     found = {}

@@ -1,0 +1,301 @@
+"""Planner inputs: the model's shape, the pool of hosts, and the run's schedule and wire settings.
+
+What `coordinator/planner.py` reads. Units: seconds, bits/s as Mbit/s (1e6), bytes, FLOPs; `peak` is
+dense bf16 tensor FLOP/s (accelerators.py).
+
+    F = 6 N + 14 L d s
+
+N counts *every* parameter, input embedding and (untied) LM head included; L layers, d model width,
+s sequence length. 6N is the matmul work of forward + backward (2N + 4N). 14 L d s is attention's
+QK^T and AV (4 L d s forward, non-causal count) times 3.5, FlashAttention's forward+backward accounting
+(its backward recomputes the scores: 2.5x forward). How it was chosen: Test Run 003 (Llama-3-8B shape,
+N = 8.03e9, s = 4096, 48 A100 at 312 TFLOP/s, 130.1K tokens/s) gives
+
+    6N + 14 L d s -> F = 55.70 GFLOP -> MFU 48.39%, tax 25.56%   (published: 48.3%, 25.6%)
+    6N + 12 L d s -> F = 54.62 GFLOP -> MFU 47.45%, tax 27.00%   (PaLM appendix B / nanoGPT)
+
+PaLM's 12 L d s lands within 2% on MFU but 5.5% off on the tax, so the FlashAttention count is the
+default and `attention_coef=12` gives PaLM's. The sequence length of Test Run 003 is not published;
+s = 4096 reproduces it (s = 8192 would give 54.9%).
+"""
+
+from __future__ import annotations
+
+import tomllib
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Literal
+
+from coordinator.accelerators import get_accelerator, peak_tflops
+from coordinator.plan_schedule import warmup_forwards
+from protocol import memory
+from protocol.runspec import ModelSpec
+from protocol.schema import SchemaError, from_dict
+
+ATTENTION_COEF_FLASH = 14.0
+ATTENTION_COEF_PALM = 12.0
+MEMORY_HEADROOM = 0.9
+"""Share of a host's memory a stage may plan to use (as protocol.memory.fits)."""
+
+
+@dataclass(kw_only=True, frozen=True)
+class ModelShape:
+    """A Llama-style decoder: RMSNorm, GQA attention, SwiGLU MLP, RoPE (no learned positions)."""
+
+    n_layers: int
+    """L, transformer blocks."""
+    d_model: int
+    """d, residual width (the pipeline boundary width, the k of a dense link)."""
+    n_heads: int
+    """Query heads; head dim = d / n_heads."""
+    n_kv_heads: int
+    """Key/value heads (GQA); equal to n_heads for plain multi-head attention."""
+    d_ff: int
+    """SwiGLU hidden width (three d x d_ff matrices)."""
+    vocab: int
+    """V, vocabulary size."""
+    seq_len: int
+    """s, tokens per sequence."""
+    tied_embeddings: bool = False
+    """LM head shares the input embedding matrix (Llama-3 does not)."""
+
+    def __post_init__(self) -> None:
+        for name in ("n_layers", "d_model", "n_heads", "n_kv_heads", "d_ff", "vocab", "seq_len"):
+            if getattr(self, name) < 1:
+                raise ValueError(f"model {name} must be >= 1 (got {getattr(self, name)})")
+        if self.d_model % self.n_heads or self.n_heads % self.n_kv_heads:
+            raise ValueError(
+                f"model d_model={self.d_model} must divide by n_heads={self.n_heads}, "
+                f"and n_heads by n_kv_heads={self.n_kv_heads}"
+            )
+
+    @property
+    def layer_params(self) -> int:
+        """Wq, Wo (d x d) + Wk, Wv (d x kv_dim) + SwiGLU (3 d d_ff) + two RMSNorm gains."""
+        d, kv_dim = self.d_model, self.d_model // self.n_heads * self.n_kv_heads
+        return 2 * d * d + 2 * d * kv_dim + 3 * d * self.d_ff + 2 * d
+
+    @property
+    def head_params(self) -> int:
+        """Final RMSNorm, plus the LM head when it is not tied to the embedding."""
+        return self.d_model + (0 if self.tied_embeddings else self.vocab * self.d_model)
+
+    @property
+    def n_params(self) -> int:
+        """N, all parameters, embeddings included."""
+        return self.n_layers * self.layer_params + self.vocab * self.d_model + self.head_params
+
+    @classmethod
+    def from_spec(cls, model: ModelSpec) -> ModelShape:
+        """The shape of a run spec's [model] (node/model.py): plain multi-head attention, untied head."""
+        return cls(
+            n_layers=model.n_layers,
+            d_model=model.d_model,
+            n_heads=model.n_heads,
+            n_kv_heads=model.n_heads,
+            d_ff=model.d_ff,
+            vocab=model.vocab,
+            seq_len=model.seq_len,
+        )
+
+    def flops_per_token(self, attention_coef: float = ATTENTION_COEF_FLASH) -> float:
+        """F = 6 N + attention_coef x L d s (module docstring: 14 FlashAttention, 12 PaLM)."""
+        return 6.0 * self.n_params + attention_coef * self.n_layers * self.d_model * self.seq_len
+
+
+MODELS: dict[str, ModelShape] = {
+    # Llama-3-8B (Meta, 2024): 8.03e9 parameters, untied head; s = 4096 reproduces Test Run 003.
+    "8b": ModelShape(
+        n_layers=32, d_model=4096, n_heads=32, n_kv_heads=8, d_ff=14336, vocab=128256, seq_len=4096
+    ),
+    # Qwen2-72B shape (72.7e9 parameters; its small q/k/v biases are left out), at s = 4096.
+    "72b": ModelShape(
+        n_layers=80, d_model=8192, n_heads=64, n_kv_heads=8, d_ff=29568, vocab=152064, seq_len=4096
+    ),
+    # The project's CPU model (DESIGN section 8): 3.3e6 parameters, byte-level vocab.
+    "tiny": ModelShape(n_layers=4, d_model=256, n_heads=4, n_kv_heads=4, d_ff=688, vocab=256, seq_len=256),
+}
+
+
+def get_model(name: str) -> ModelShape:
+    """A preset from MODELS; raises ValueError naming the presets."""
+    if name not in MODELS:
+        raise ValueError(f"unknown model {name!r}: use one of {', '.join(MODELS)} (example: --model 8b)")
+    return MODELS[name]
+
+
+# ---------------------------------------------------------------------------------------------- pool
+@dataclass(kw_only=True, frozen=True)
+class HostGroup:
+    """`count` identical hosts; one host serves one stage (its GPUs shard the stage locally)."""
+
+    name: str
+    """Label used in reports, e.g. `a100-eu`."""
+    count: int = 1
+    """Number of identical hosts in the group."""
+    gpus: int = 1
+    """Accelerators per host."""
+    accelerator: str = ""
+    """Key in accelerators.ACCELERATORS (e.g. `a100-80gb`); may be empty when `tflops` is given."""
+    tflops: float = 0.0
+    """Measured peak TFLOP/s per accelerator; overrides the table when > 0."""
+    memory_gb: float = 0.0
+    """Memory per accelerator in GB; 0 takes the table's figure."""
+    usd_per_gpu_hour: float
+    """Rental price per accelerator-hour."""
+    link_mbps: float
+    """Bandwidth to pipeline neighbours, each direction, Mbit/s; a link gets the smaller of its two ends."""
+    rtt_ms: float
+    """Round-trip time to pipeline neighbours; a link gets the larger of its two ends."""
+    store_mbps: float
+    """Bandwidth to the object store, each direction, Mbit/s."""
+
+    def __post_init__(self) -> None:
+        where = f"host group {self.name!r}"
+        if not self.name:
+            raise ValueError('host group needs a non-empty name (example: name = "a100-eu")')
+        if self.count < 1 or self.gpus < 1:
+            raise ValueError(f"{where}: count and gpus must be >= 1 (got {self.count}, {self.gpus})")
+        if self.tflops < 0 or self.memory_gb < 0 or self.usd_per_gpu_hour < 0 or self.rtt_ms < 0:
+            raise ValueError(f"{where}: tflops, memory_gb, usd_per_gpu_hour and rtt_ms must be >= 0")
+        if self.link_mbps <= 0 or self.store_mbps <= 0:
+            raise ValueError(f"{where}: link_mbps and store_mbps must be > 0 (example: link_mbps = 1000)")
+        if self.accelerator:
+            get_accelerator(self.accelerator)  # raises with the list of known names
+        elif self.tflops <= 0:
+            raise ValueError(f'{where}: give `accelerator` (example: "a100-80gb") or a measured `tflops`')
+
+
+@dataclass(kw_only=True, frozen=True)
+class Host:
+    """One machine of the pool, per-host totals (a stage's compute, memory and price)."""
+
+    name: str
+    gpus: int
+    peak_tflops: float
+    memory_gb: float
+    usd_per_hour: float
+    link_mbps: float
+    rtt_ms: float
+    store_mbps: float
+
+
+@dataclass(kw_only=True, frozen=True)
+class Pool:
+    """The machines available to a run, as written in `pool.toml` (`[[hosts]]` tables)."""
+
+    hosts: tuple[HostGroup, ...]
+    """Host groups; names must be unique."""
+
+    def __post_init__(self) -> None:
+        if not self.hosts:
+            raise ValueError("pool has no hosts: add at least one [[hosts]] table")
+        names = [g.name for g in self.hosts]
+        if len(set(names)) != len(names):
+            raise ValueError(f"pool host group names must be unique (got {names})")
+
+    def expand(self, usd_per_gpu_hour: float | None = None) -> list[Host]:
+        """One Host per machine; `usd_per_gpu_hour` overrides every group's price (what-if pricing)."""
+        out = []
+        for g in self.hosts:
+            per_gpu = g.tflops if g.tflops > 0 else peak_tflops(g.accelerator)
+            mem = g.memory_gb or (get_accelerator(g.accelerator).memory_gb if g.accelerator else 0.0)
+            price = g.usd_per_gpu_hour if usd_per_gpu_hour is None else usd_per_gpu_hour
+            for i in range(g.count):
+                out.append(
+                    Host(
+                        name=f"{g.name}#{i}",
+                        gpus=g.gpus,
+                        peak_tflops=per_gpu * g.gpus,
+                        memory_gb=mem * g.gpus,
+                        usd_per_hour=price * g.gpus,
+                        link_mbps=g.link_mbps,
+                        rtt_ms=g.rtt_ms,
+                        store_mbps=g.store_mbps,
+                    )
+                )
+        return out
+
+
+def load_pool(path: str | Path) -> Pool:
+    """Read a pool TOML file; every problem is a ValueError that names the file and the field."""
+    try:
+        data = tomllib.loads(Path(path).read_text())
+    except OSError as e:
+        raise ValueError(f"cannot read pool file {str(path)!r}: {e.strerror}") from e
+    except tomllib.TOMLDecodeError as e:
+        raise ValueError(f"pool file {str(path)!r} is not valid TOML: {e}") from e
+    try:
+        return from_dict(Pool, data)
+    except SchemaError as e:
+        raise ValueError(f"pool file {str(path)!r}: {e}") from e
+
+
+# ------------------------------------------------------------------------------------------ settings
+@dataclass(kw_only=True, frozen=True)
+class RunSettings:
+    """Schedule and wire parameters of a run (symbols as in DESIGN sections 3-4)."""
+
+    microbatches: int = 16
+    """M, microbatches per inner step and replica (gradient accumulation)."""
+    microbatch_size: int = 1
+    """b, sequences per microbatch."""
+    schedule: Literal["1f1b", "gpipe"] = "1f1b"
+    """1F1B keeps S (+ extra_in_flight) microbatches in flight; GPipe keeps all M (more memory)."""
+    extra_in_flight: int = 0
+    """1F1B warm-up microbatches beyond S at stage 0: activation memory spent to cover link round trips."""
+    k: int | None = None
+    """Subspace rank on every link; None chooses the largest k that hides behind compute, per link."""
+    k_min: int = 32
+    """Floor of the automatic k, taken even when it does not fit (quality guard; node0 runs 8B at k=40)."""
+    fill_share: float = 0.02
+    """Share of a step the automatic k may spend on fill/drain serialization (2 (S-1) t_x per step,
+    paid in every schedule: the first microbatch's messages are on the critical path)."""
+    ceiling: float = 0.65
+    """Achievable MFU of a tuned local stage (Team PyTorch at IBM and Meta, 2024, on A100)."""
+    H: int = 30
+    """Inner steps per outer round."""
+    fragments: int = 4
+    """P, fragments a stage's parameters are streamed in."""
+    tau: int = 2
+    """Inner steps of overlap between a fragment's capture and its application (0 <= tau < H)."""
+    compression_ratio: float = 200.0
+    """SparseLoCo dense-fp32 bytes / bytes on the wire (DESIGN goal >= 200)."""
+    bytes_per_value: int = 2
+    """Activation dtype on the wire (bf16)."""
+    token_id_bytes: int | None = None
+    """Per token id sent with a compressed payload; None: the smallest uint holding the vocab (1, 2, 4)."""
+    header_bytes: int = 256
+    """Per message framing, signature and shape header."""
+
+    def state_bytes_per_param(self) -> float:
+        """Bytes per parameter a stage must hold, from protocol/memory.py's table: bf16 autocast (fp32
+        weights, grads, AdamW; one bf16 copy), SparseLoCo anchor and error feedback, captured theta of the
+        fragments pending under tau. 27 at the defaults (tau = 2 of H = 30, P = 4: a quarter pending).
+        A limit on layers per stage; activations come on top (`predict` warns about them)."""
+        return memory.bytes_per_param("bf16", method="sparseloco", captured_share=self.captured_share())
+
+    def captured_share(self) -> float:
+        """Share of a stage's parameters held as captured theta (protocol.memory.captured_share)."""
+        return memory.captured_share(self.H, self.fragments, self.tau)
+
+    def in_flight(self, S: int, s: int) -> int:
+        """Microbatch graphs alive at once on stage s of S: the schedule's warm-up forwards + 1 (1F1B,
+        `warmup_forwards`), or all M (GPipe)."""
+        if self.schedule == "gpipe":
+            return self.microbatches
+        return min(warmup_forwards(S, s, self.extra_in_flight) + 1, self.microbatches)
+
+    def __post_init__(self) -> None:
+        if min(self.microbatches, self.microbatch_size, self.H, self.fragments, self.bytes_per_value) < 1:
+            raise ValueError("microbatches, microbatch_size, H, fragments and bytes_per_value must be >= 1")
+        if not 0 <= self.tau < self.H:
+            raise ValueError(f"tau must satisfy 0 <= tau < H (got tau={self.tau}, H={self.H})")
+        if self.fragments > self.H:
+            raise ValueError(f"fragments P={self.fragments} must be <= H={self.H} (q = floor(H/P) >= 1)")
+        if (self.k is not None and self.k < 1) or self.k_min < 1 or self.extra_in_flight < 0:
+            raise ValueError(f"k and k_min must be >= 1, extra_in_flight >= 0 (got {self.k}, {self.k_min})")
+        if not 0 < self.ceiling <= 1 or self.compression_ratio <= 0 or not 0 < self.fill_share <= 1:
+            raise ValueError("ceiling and fill_share must be in (0, 1], compression_ratio > 0")
+        if self.schedule not in ("1f1b", "gpipe"):
+            raise ValueError(f"schedule must be '1f1b' or 'gpipe' (got {self.schedule!r})")

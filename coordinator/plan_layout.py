@@ -1,0 +1,185 @@
+"""Layout: who serves which stage, and how many layers each stage owns.
+
+Per-stage work (FLOPs per token), parameters and memory of a layer split; the layer split balanced by
+each stage's speed and memory; and the simple fastest-first layout the `plan` CLI uses.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+
+from coordinator.plan_inputs import (
+    ATTENTION_COEF_FLASH,
+    MEMORY_HEADROOM,
+    Host,
+    ModelShape,
+    RunSettings,
+)
+from protocol import memory
+
+
+@dataclass(kw_only=True, frozen=True)
+class Layout:
+    """Who serves what: R replicas x S stages of hosts, and the layer range every stage s owns."""
+
+    replicas: tuple[tuple[Host, ...], ...]
+    """replicas[r][s] is the host of stage s in replica r."""
+    layers: tuple[int, ...]
+    """Layers per stage, shared by all replicas (so fragments match across replicas); sums to L."""
+    link_mbps: tuple[tuple[float, ...], ...] = ()
+    """Measured bandwidth of each boundary, link_mbps[r][i] for stage i -> i + 1 of replica r, Mbit/s
+    each direction; empty: the smaller of the two hosts' `link_mbps`."""
+    link_rtt_ms: tuple[tuple[float, ...], ...] = ()
+    """Measured round trip of each boundary, like `link_mbps`; empty: the larger of the two hosts' `rtt_ms`."""
+
+    def __post_init__(self) -> None:
+        S = len(self.layers)
+        for name in ("link_mbps", "link_rtt_ms"):
+            rows = getattr(self, name)
+            if rows and (len(rows) != len(self.replicas) or any(len(row) != S - 1 for row in rows)):
+                raise ValueError(
+                    f"layout {name} must give each of {len(self.replicas)} replicas {S - 1} links"
+                )
+        if any(x <= 0 for row in self.link_mbps for x in row) or any(
+            x < 0 for row in self.link_rtt_ms for x in row
+        ):
+            raise ValueError("layout link_mbps must be > 0 and link_rtt_ms >= 0")
+
+
+def stage_work(
+    shape: ModelShape, layers: tuple[int, ...], attention_coef: float = ATTENTION_COEF_FLASH
+) -> list[float]:
+    """Model FLOPs per token executed by each stage; sums to shape.flops_per_token().
+
+    A layer costs 6 P_layer + coef d s and the last stage adds the head's 6 x head_params. The 6 V d
+    that the convention charges the input embedding is not executed by any stage (a lookup), so it is
+    spread over stages pro rata: the ceiling is calibrated in model FLOPs, and charging it all to
+    stage 0 would give stage 0 two fewer layers of Llama-3-8B than it can carry.
+    """
+    per_layer = 6.0 * shape.layer_params + attention_coef * shape.d_model * shape.seq_len
+    work = [n * per_layer for n in layers]
+    work[-1] += 6.0 * shape.head_params
+    scale = shape.flops_per_token(attention_coef) / sum(work)
+    return [w * scale for w in work]
+
+
+def balance_layers(
+    shape: ModelShape,
+    stage_tflops: list[float],
+    stage_memory_gb: list[float] | None = None,
+    *,
+    state_bytes_per_param: float | None = None,
+) -> tuple[int, ...]:
+    """Layers per stage minimising the slowest stage's time, given each stage's (slowest) peak.
+
+    Greedy: every stage starts with one layer, each further layer goes to the stage that would be
+    fastest after taking it, among the stages whose state (`state_bytes_per_param` per parameter; None:
+    `RunSettings().state_bytes_per_param()`, 27) still fits 90% of `stage_memory_gb` (0 or None:
+    unlimited). Optimal for min-max over increasing costs.
+    """
+    S = len(stage_tflops)
+    if not 1 <= S <= shape.n_layers:
+        raise ValueError(f"stages must be between 1 and n_layers={shape.n_layers} (got {S})")
+    per_layer = 6.0 * shape.layer_params + ATTENTION_COEF_FLASH * shape.d_model * shape.seq_len
+    head = 6.0 * shape.head_params
+    mem = stage_memory_gb or [0.0] * S
+    per_param = (
+        RunSettings().state_bytes_per_param() if state_bytes_per_param is None else state_bytes_per_param
+    )
+    layers = [1] * S
+
+    def fits(s: int, n: int) -> bool:
+        trial = tuple(n if i == s else layers[i] for i in range(S))
+        return not mem[s] or stage_params(shape, trial)[s] * per_param <= MEMORY_HEADROOM * mem[s] * memory.GB
+
+    if not all(fits(s, 1) for s in range(S)):
+        raise ValueError(f"one layer per stage does not fit the memory of {S} stages; use more stages")
+    for _ in range(shape.n_layers - S):
+        cost = [
+            ((n + 1) * per_layer + (head if s == S - 1 else 0.0)) / stage_tflops[s]
+            if fits(s, n + 1)
+            else math.inf
+            for s, n in enumerate(layers)
+        ]
+        if min(cost) == math.inf:
+            raise ValueError(f"{shape.n_layers} layers do not fit the memory of {S} stages; use more stages")
+        layers[cost.index(min(cost))] += 1
+    return tuple(layers)
+
+
+def stage_params(shape: ModelShape, layers: tuple[int, ...]) -> list[int]:
+    """Parameters each stage owns (and syncs): its layers, the embedding on the first, head on the last."""
+    out = [n * shape.layer_params for n in layers]
+    out[0] += shape.vocab * shape.d_model
+    out[-1] += shape.head_params
+    return out
+
+
+def stage_memory_bytes(shape: ModelShape, layers: tuple[int, ...], settings: RunSettings) -> list[int]:
+    """Peak memory of each stage as a node trains it (protocol/memory.py): bf16 state with one bf16
+    weight copy per step (the step's microbatches share one autocast region), plus activations without
+    recomputation. Grouped-query
+    attention is counted as full attention (an upper bound)."""
+    S, tokens = len(layers), settings.microbatch_size * shape.seq_len
+    per_param = memory.bytes_per_param(
+        "bf16", method="sparseloco", captured_share=settings.captured_share(), graphs=0
+    )
+    out = []
+    for s, n_params in enumerate(stage_params(shape, layers)):
+        alive = settings.in_flight(S, s)
+        matmul = layers[s] * (shape.layer_params - 2 * shape.d_model) + (
+            shape.head_params - shape.d_model if s == S - 1 else 0
+        )
+        act = memory.activation_bytes(
+            layers=layers[s],
+            tokens=tokens,
+            d_model=shape.d_model,
+            d_ff=shape.d_ff,
+            vocab=shape.vocab,
+            alive=alive,
+            last=s == S - 1,
+            precision="bf16",
+        )
+        out.append(round(n_params * per_param) + memory.BYTES_PER_PARAM["autocast_copy"] * matmul + act)
+    return out
+
+
+def naive_layout(
+    shape: ModelShape, hosts: list[Host], replicas: int, stages: int, settings: RunSettings | None = None
+) -> Layout:
+    """A simple placement for the CLI: fastest hosts first, stage s of every replica on similar hosts.
+
+    Hosts are sorted by peak (then price); the first R x S are used, stage s gets the s-th group of R
+    so the shared layer split (`balance_layers` on each stage's slowest host, with the state bytes of
+    `settings`, default RunSettings()) wastes little. Real placement also weighs bandwidth; this only
+    needs to be reasonable.
+    """
+    if replicas < 1 or stages < 1:
+        raise ValueError(f"replicas and stages must be >= 1 (got {replicas} x {stages})")
+    if replicas * stages > len(hosts):
+        raise ValueError(
+            f"{replicas} replicas x {stages} stages need {replicas * stages} hosts; the pool has {len(hosts)}"
+        )
+    ranked = sorted(hosts, key=lambda h: (-h.peak_tflops, h.usd_per_hour / h.gpus))[: replicas * stages]
+    groups = [ranked[s * replicas : (s + 1) * replicas] for s in range(stages)]
+    layers = balance_layers(
+        shape,
+        [min(h.peak_tflops for h in g) for g in groups],
+        [min(h.memory_gb for h in g) for g in groups],
+        state_bytes_per_param=(settings or RunSettings()).state_bytes_per_param(),
+    )
+    return Layout(
+        replicas=tuple(tuple(groups[s][r] for s in range(stages)) for r in range(replicas)), layers=layers
+    )
+
+
+def auto_stages(shape: ModelShape, hosts: list[Host], settings: RunSettings | None = None) -> int:
+    """Fewest stages S for which `naive_layout` with R = hosts // S fits every stage's memory."""
+    for S in range(1, min(shape.n_layers, len(hosts)) + 1):
+        try:
+            naive_layout(shape, hosts, len(hosts) // S, S, settings)
+            return S
+        except ValueError:
+            continue
+    raise ValueError("the model's parameter state does not fit the pool at any stage count")

@@ -13,7 +13,15 @@ from dataclasses import dataclass, field, replace
 import msgpack
 
 from coordinator.lease import HeldLease, renew, try_acquire
-from coordinator.placement import CostModel, Placement, PlacementError, place, repair, stage_needs
+from coordinator.placement import (
+    CostModel,
+    Placement,
+    PlacementError,
+    choose_boundary_k,
+    place,
+    repair,
+    stage_needs,
+)
 from protocol import keys
 from protocol.checkpoint import list_rounds
 from protocol.delegation import OperatorTrust, RefusalLog, Untrusted
@@ -287,6 +295,8 @@ class Coordinator:
         except StoreError as e:
             log.warning("run %s: cannot list checkpoints (%s); starting from step 0", spec.run_id, e)
             resume = None
+        if spec.pipeline.link_k_auto:
+            self._fix_link_k(run, adverts, resume is not None)
         if resume:
             log.info(
                 "run %s: checkpoints found in the store; every replica resumes from its latest", spec.run_id
@@ -296,6 +306,24 @@ class Coordinator:
         self._assign(run, adverts, set(run.placement.slots), resume_replicas=resume)
         run.started = time.monotonic()
         self._set_state(run, "running")
+
+    def _fix_link_k(self, run: ManagedRun, adverts: dict[str, NodeAdvert], resumed: bool) -> None:
+        """link_k_auto: choose each boundary's k once, from the links of the nodes just placed (a resumed
+        run keeps the k its checkpoints were trained with); the run's spec then carries it."""
+        spec, pl = run.record.spec, run.placement
+        assert pl is not None
+        archived = self._archived(run) if resumed else None
+        if archived:
+            k = list(archived[0].spec.pipeline.link_k)
+            why = "as its checkpoints were trained"
+        else:
+            k = [
+                min(x, spec.model.d_model) for x in choose_boundary_k(pl, adverts, CostModel.from_spec(spec))
+            ]
+            why = "from the measured links of the nodes placed"
+        pipeline = replace(spec.pipeline, link_k=k, link_k_auto=False)
+        run.record = replace(run.record, spec=replace(spec, pipeline=pipeline))
+        log.info("run %s: link k per boundary %s, %s", spec.run_id, k, why)
 
     def _assign(
         self,

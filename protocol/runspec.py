@@ -251,6 +251,9 @@ class PipelineSpec:
 
     link_k: list[int] = field(default_factory=list)
     """Subspace width k of each stage boundary (S-1 values); empty = dense links."""
+    link_k_auto: bool = False
+    """Let the coordinator choose link_k at the run's first placement from the nodes' measured links:
+    the slowest link a boundary crosses, in any replica, sets its k (then fixed for the whole run)."""
     projection_seed: int = 7
     """Seed of the shared orthonormal basis U and token table T."""
     wire_dtype: Literal["float32", "bfloat16", "float16"] = "float32"

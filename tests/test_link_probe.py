@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import re
 import socket
 import time
 from collections.abc import Iterator
@@ -17,6 +18,27 @@ from protocol.identity import Identity
 from protocol.messages import Hello
 
 PROBER = Identity.from_seed(b"\x01" * 32)
+K_RUN = """\
+[run]
+run_id = "swarm-k"
+replicas = 1
+stages = 3
+[model]
+d_model = 256
+n_layers = 3
+n_heads = 4
+d_ff = 688
+seq_len = 128
+[train]
+total_steps = 10
+batch_size = 8
+microbatches = 8
+[sync]
+method = "diloco"
+H = 5
+[pipeline]
+link_k_auto = true
+"""
 TARGET = Identity.from_seed(b"\x02" * 32)
 
 
@@ -143,6 +165,39 @@ def test_nodes_advertise_measured_links_and_a_slow_node_shows(tmp_path) -> None:
                 else:
                     assert m["mbps"] > 100, (i, peer[-8:], m)
                 assert 0 < m["rtt_ms"] < 1000
+
+        # a 1 x 3 run with k chosen by the coordinator: the slow node goes to an end of the pipeline (one
+        # slow boundary, not two), and the boundary it sits on gets the smaller k
+        toml = tmp_path / "run.toml"
+        toml.write_text(K_RUN)
+        swarm.launch(toml)
+        line = wait_until(
+            lambda: re.search(
+                r"run swarm-k: link k per boundary \[(\d+), (\d+)\]", swarm.coordinator.log_text()
+            ),
+            60,
+            "the coordinator to choose k per boundary",
+        )
+        k = [int(line.group(1)), int(line.group(2))]
+        stage_of = wait_until(
+            lambda: (
+                len(
+                    got := {
+                        s["peer_id"]: s["metrics"]["stage"]
+                        for s in swarm.statuses()
+                        if s and s["metrics"]["run_id"] == "swarm-k"
+                    }
+                )
+                == 3
+                and got
+            ),
+            60,
+            "the three nodes to take their stages",
+        )
+        slow_boundary = 0 if stage_of[slow] == 0 else 1
+        assert stage_of[slow] in (0, 2), stage_of
+        assert k[slow_boundary] < k[1 - slow_boundary], (k, stage_of[slow])
+        print(f"link k {k}; slow node at stage {stage_of[slow]}")
     finally:
         codes = swarm.stop()
     assert all(c == 0 for c in codes.values()), codes

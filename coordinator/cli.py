@@ -25,7 +25,6 @@ import ipaddress
 import logging
 import os
 import re
-import signal
 import sys
 import time
 from pathlib import Path
@@ -54,6 +53,7 @@ from protocol.delegation import OperatorTrust, RefusalLog, issue, utc
 from protocol.identity import Identity
 from protocol.messages import ANY_RUN, MAX_DELEGATION_S, NodeAdvert, RunRecord
 from protocol.runspec import check_run_id, load_run_spec
+from protocol.signals import install_stop_signals
 
 if TYPE_CHECKING:  # hivemind and boto3 take seconds to import: only the commands that talk import them
     from protocol.dht_client import DHTClient
@@ -513,8 +513,7 @@ def cmd_serve(args: argparse.Namespace) -> int:
         certificate=args.certificate_bytes,
         trust=args.trust,
     )
-    for sig in (signal.SIGINT, signal.SIGTERM):
-        signal.signal(sig, lambda *_: coord.stop_event.set())
+    install_stop_signals(coord.stop_event.set)
     if args.certificate_bytes:
         who = f"coordinator={ident.peer_id} certified by operator={args.operator_key}"
     else:

@@ -39,7 +39,7 @@ from dataclasses import dataclass, field
 
 from coordinator.calibrate import run_settings
 from coordinator.plan_inputs import MODELS, Host, ModelShape, RunSettings
-from coordinator.plan_layout import Layout, stage_work
+from coordinator.plan_layout import Layout, balance_layers, stage_work
 from coordinator.plan_links import activation_bytes, id_bytes
 from coordinator.planner import boundary_k, replica_step_s
 from protocol.memory import GB, fits, precision_for_device, stage_memory
@@ -399,7 +399,8 @@ def _greedy(nodes: _Nodes, R: int, S: int, order: list[int]) -> list[tuple[int, 
     for _ in range(R):
         while head < len(order) and used[order[head]]:
             head += 1
-        window, j = [], head
+        window: list[int] = []
+        j = head
         while j < len(order) and len(window) < S + WINDOW:
             if not used[order[j]]:
                 window.append(order[j])
@@ -430,7 +431,7 @@ def _greedy(nodes: _Nodes, R: int, S: int, order: list[int]) -> list[tuple[int, 
 
 
 def _period(nodes: _Nodes, chain: Sequence[int]) -> float:
-    state, prefix = (0.0, 0.0), []
+    state, prefix = (0.0, 0.0), list[int]()
     for c in chain:
         state = nodes.extend(state, prefix, c)
         prefix.append(c)
@@ -658,3 +659,23 @@ def choose_boundary_k(
     bandwidth fits the compute that hides it (`coordinator.planner.boundary_k`, floored at the settings'
     k_min). The same k in every replica: stage weights are averaged across replicas."""
     return boundary_k(cost.shape, placement_layout(placement, adverts, cost), cost.settings)
+
+
+def choose_layer_split(
+    placement: Placement, adverts: Mapping[str, NodeAdvert], cost: CostModel
+) -> tuple[int, ...]:
+    """Layers per stage for the run, chosen at launch from the nodes placed: each stage is as fast as
+    its slowest node over the replicas (advertised TFLOP/s) and holds what its smallest node's memory
+    takes; the planner's balance (min-max stage time, `plan_layout.balance_layers`) splits the layers.
+    The same split in every replica: stage weights are averaged across replicas."""
+    S = len(cost.layers)
+    stages: list[list[NodeAdvert]] = [[] for _ in range(S)]
+    for (_, s), peer in placement.slots.items():
+        if peer not in adverts:
+            raise ValueError(f"no advert for placed node {peer}: pass the adverts of every placed node")
+        stages[s].append(adverts[peer])
+    return balance_layers(
+        cost.shape,
+        [min(a.tflops for a in nodes) for nodes in stages],
+        [min(a.memory_gb for a in nodes) for nodes in stages],
+    )

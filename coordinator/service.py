@@ -18,6 +18,7 @@ from coordinator.placement import (
     Placement,
     PlacementError,
     choose_boundary_k,
+    choose_layer_split,
     place,
     repair,
     stage_needs,
@@ -295,6 +296,8 @@ class Coordinator:
         except StoreError as e:
             log.warning("run %s: cannot list checkpoints (%s); starting from step 0", spec.run_id, e)
             resume = None
+        if spec.layer_split_auto:
+            self._fix_layer_split(run, adverts, resume is not None)
         if spec.pipeline.link_k_auto:
             self._fix_link_k(run, adverts, resume is not None)
         if resume:
@@ -306,6 +309,21 @@ class Coordinator:
         self._assign(run, adverts, set(run.placement.slots), resume_replicas=resume)
         run.started = time.monotonic()
         self._set_state(run, "running")
+
+    def _fix_layer_split(self, run: ManagedRun, adverts: dict[str, NodeAdvert], resumed: bool) -> None:
+        """layer_split_auto: split the layers once, by the placed nodes' speed and memory (a resumed run
+        keeps the split its checkpoints hold); the run's spec then carries it."""
+        spec, pl = run.record.spec, run.placement
+        assert pl is not None
+        archived = self._archived(run) if resumed else None
+        if archived:
+            split = list(archived[0].spec.layer_split) or [b - a for a, b in archived[0].spec.layer_ranges()]
+            why = "as its checkpoints hold"
+        else:
+            split = list(choose_layer_split(pl, adverts, CostModel.from_spec(spec)))
+            why = "from the placed nodes' measured speed and memory"
+        run.record = replace(run.record, spec=replace(spec, layer_split=split, layer_split_auto=False))
+        log.info("run %s: layers per stage %s, %s", spec.run_id, split, why)
 
     def _fix_link_k(self, run: ManagedRun, adverts: dict[str, NodeAdvert], resumed: bool) -> None:
         """link_k_auto: choose each boundary's k once, from the links of the nodes just placed (a resumed

@@ -17,7 +17,6 @@ import json
 import logging
 import math
 import re
-import signal
 import sys
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -38,6 +37,7 @@ from protocol.cli_errors import (
 )
 from protocol.identity import Identity, SignatureError
 from protocol.messages import MAX_PRICE_PER_HOUR
+from protocol.signals import install_stop_signals
 
 log = logging.getLogger("crucible.node")
 
@@ -401,8 +401,8 @@ def _logging(level: str) -> None:
 
 
 def _install_signals(on_stop: Any) -> None:
-    for sig in (signal.SIGINT, signal.SIGTERM):
-        signal.signal(sig, lambda *_: on_stop())
+    # a worker stops at its next step, a checkpoint upload finishes: 15 s, then the stacks and exit
+    install_stop_signals(on_stop, grace_s=15.0)
 
 
 def cmd_identity(args: argparse.Namespace) -> int:

@@ -298,9 +298,23 @@ class RunSpec:
     pipeline: PipelineSpec = field(default_factory=PipelineSpec)
     eval_every: int = 1
     """Validate on the consensus weights every this many outer rounds (0 = only at start and end)."""
+    layer_split: list[int] = field(default_factory=list)
+    """Layers per stage (S values summing to model.n_layers); empty = as even as possible."""
+    layer_split_auto: bool = False
+    """Let the coordinator choose layer_split at the run's first placement from the placed nodes'
+    measured speed and memory (the slowest node of each stage over the replicas; then fixed)."""
 
     def __post_init__(self) -> None:
         check_run_id("run_id", self.run_id)
+        if self.layer_split and (
+            len(self.layer_split) != self.stages
+            or min(self.layer_split) < 1
+            or sum(self.layer_split) != self.model.n_layers
+        ):
+            raise ValueError(
+                f"layer_split={self.layer_split} must hold stages={self.stages} values >= 1 summing to "
+                f"model.n_layers={self.model.n_layers} (example: layer_split = [3, 5] for 8 layers)"
+            )
         if self.replicas <= 0 or self.stages <= 0:
             raise ValueError(f"replicas={self.replicas} and stages={self.stages} must be positive")
         check_range("replicas", self.replicas, 1, 1 << 16)  # messages.MAX_REPLICAS
@@ -321,8 +335,11 @@ class RunSpec:
         return self.train.total_steps // self.sync.H
 
     def layer_ranges(self) -> list[tuple[int, int]]:
-        """Contiguous [start, end) layer ranges per stage, as even as possible."""
+        """Contiguous [start, end) layer ranges per stage: `layer_split`, else as even as possible."""
         n, s = self.model.n_layers, self.stages
+        if self.layer_split:
+            ends = [sum(self.layer_split[: i + 1]) for i in range(s)]
+            return [(ends[i] - self.layer_split[i], ends[i]) for i in range(s)]
         bounds = [round(i * n / s) for i in range(s + 1)]
         return [(bounds[i], bounds[i + 1]) for i in range(s)]
 

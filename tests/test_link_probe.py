@@ -23,6 +23,7 @@ K_RUN = """\
 run_id = "swarm-k"
 replicas = 1
 stages = 3
+layer_split_auto = true
 [model]
 d_model = 256
 n_layers = 3
@@ -179,6 +180,7 @@ def test_nodes_advertise_measured_links_and_a_slow_node_shows(tmp_path) -> None:
             "the coordinator to choose k per boundary",
         )
         k = [int(line.group(1)), int(line.group(2))]
+        assert re.search(r"run swarm-k: layers per stage \[1, 1, 1\]", swarm.coordinator.log_text())
         stage_of = wait_until(
             lambda: (
                 len(

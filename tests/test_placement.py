@@ -15,6 +15,7 @@ from coordinator.placement import (
     Placement,
     PlacementError,
     choose_boundary_k,
+    choose_layer_split,
     place,
     placement_layout,
     repair,
@@ -234,6 +235,25 @@ def test_each_boundary_k_follows_the_slowest_link_it_crosses() -> None:
     fast_only = dataclasses.replace(nodes["r1s2"], peer_mbps={y: 10_000.0 for y in names if y != "r1s2"})
     fast_nodes = {**nodes, "r1s2": fast_only, "r1s1": dataclasses.replace(nodes["r1s1"], peer_mbps={})}
     assert choose_boundary_k(pl, fast_nodes, cost)[1] == k[0]
+
+
+def test_layers_are_split_by_the_placed_nodes_speed() -> None:
+    """Layer balancing by speed (issue 13 acceptance 3): 2 replicas x 2 stages of a 32-layer model; the
+    stage-1 nodes advertise 3x the TFLOP/s of the stage-0 nodes (one stage-1 node only 2x: the slowest of
+    a stage sets it), so stage 1 takes about 2/3 of the layers; equal nodes split evenly; and the run
+    spec carries a split (layer_split) that every replica's stage ranges follow."""
+    spec = RunSpec(run_id="split", replicas=2, stages=2, model=ModelSpec(n_layers=32))
+    cost = CostModel.from_spec(spec)
+    pl = Placement({(0, 0): "a", (1, 0): "b", (0, 1): "c", (1, 1): "d"})
+    stated = {"a": 100.0, "b": 100.0, "c": 300.0, "d": 200.0}
+    split = choose_layer_split(pl, {p: _node(p, t) for p, t in stated.items()}, cost)
+    assert sum(split) == 32 and 11 <= split[0] <= 14 and split[1] == 32 - split[0], split
+    even = choose_layer_split(pl, {p: _node(p, 100.0) for p in stated}, cost)
+    assert abs(even[0] - even[1]) <= 2, even  # the last stage also runs the head
+    fixed = dataclasses.replace(spec, layer_split=list(split))
+    assert fixed.layer_ranges() == [(0, split[0]), (split[0], 32)]
+    with pytest.raises(ValueError, match="layer_split"):
+        dataclasses.replace(spec, layer_split=[30, 30])
 
 
 def test_repair_takes_the_free_node_with_the_better_link() -> None:

@@ -10,7 +10,7 @@ crucible-coordinator serve  --key-file NODE_KEY --certificate CERT --operator-ke
                             --bootstrap MA --store-endpoint URL
 crucible-coordinator launch run.toml --bootstrap MA --store-endpoint URL [--operator-key-file KEY] [--watch]
 crucible-coordinator status [RUN] --bootstrap MA --operator-key 12D3KooW...
-crucible-coordinator stop RUN --bootstrap MA --store-endpoint URL [--operator-key-file KEY]
+crucible-coordinator stop RUN --store-endpoint URL [--operator-key-file KEY]
 crucible-coordinator export RUN --out DIR --operator-key 12D3KooW... --store-endpoint URL [--round N]
 crucible-coordinator plan --model 8b --pool pool.toml
 
@@ -88,13 +88,16 @@ def _store_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--store-secret-key", default="", help="secret key (default: boto3's chain)")
 
 
-def _swarm_args(p: argparse.ArgumentParser, *, store: bool, key: bool) -> None:
+def _swarm_args(p: argparse.ArgumentParser, *, store: bool, key: bool, dht: bool = True) -> None:
+    """dht=False: the command does not use the DHT (stop writes to the store), so --bootstrap is
+    accepted but not required."""
     p.add_argument(
         "--bootstrap",
         action="append",
-        required=True,
+        required=dht,
         metavar="MULTIADDR",
-        help=f"multiaddr of a swarm peer, repeatable (example: {EXAMPLE_MULTIADDR})",
+        help=f"multiaddr of a swarm peer, repeatable (example: {EXAMPLE_MULTIADDR})"
+        + ("" if dht else "; not needed by this command"),
     )
     p.add_argument(
         "--host", default="127.0.0.1", help="IPv4 address for this process's DHT peer (default 127.0.0.1)"
@@ -203,7 +206,7 @@ def build_parser() -> argparse.ArgumentParser:
 
     sp = sub.add_parser("stop", help="stop a run (nodes finish their current step and go idle)")
     sp.add_argument("run_id")
-    _swarm_args(sp, store=True, key=True)
+    _swarm_args(sp, store=True, key=True, dht=False)
 
     ex = sub.add_parser(
         "export",

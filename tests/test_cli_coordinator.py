@@ -265,3 +265,14 @@ def test_help_of_every_subcommand(home: Path, command: str) -> None:
     assert r.returncode == 0 and "usage: crucible-coordinator" in r.stdout and not r.stderr, r.stderr
     if command:
         assert "--debug" in r.stdout
+
+
+def test_stop_needs_no_bootstrap(tmp_path: Path, moto_store: str) -> None:
+    """Issue 13: options a command does not use are not required: `stop` writes the signed stop request to
+    the store and never joins the DHT."""
+    from protocol.store import ObjectStore, StoreConfig
+
+    ObjectStore(StoreConfig(endpoint_url=moto_store, bucket="crucible")).ensure_bucket()
+    assert crucible(tmp_path, "init").returncode == 0
+    r = crucible(tmp_path, "stop", "some-run", "--store-endpoint", moto_store)
+    assert r.returncode == 0 and "stop requested for run some-run" in r.stdout, r.stderr

@@ -20,9 +20,11 @@ from coordinator.placement import (
     choose_boundary_k,
     choose_layer_split,
     place,
+    placement_layout,
     repair,
     stage_needs,
 )
+from coordinator.planner import predict
 from protocol import keys
 from protocol.checkpoint import list_rounds
 from protocol.delegation import OperatorTrust, RefusalLog, Untrusted
@@ -309,6 +311,29 @@ class Coordinator:
         self._assign(run, adverts, set(run.placement.slots), resume_replicas=resume)
         run.started = time.monotonic()
         self._set_state(run, "running")
+        self._log_prediction(run, adverts)
+
+    def _log_prediction(self, run: ManagedRun, adverts: dict[str, NodeAdvert]) -> None:
+        """The planner's prediction for what was placed (one cost model: the one placement scored with),
+        and its warnings: a replica whose store bandwidth cannot move its fragments within the overlap
+        window, a link slower than its k needs, memory."""
+        spec, pl = run.record.spec, run.placement
+        assert pl is not None
+        try:
+            cost = CostModel.from_spec(spec)
+            p = predict(cost.shape, placement_layout(pl, adverts, cost), cost.settings)
+        except (ValueError, KeyError) as e:  # an advert gone since placement: nothing to predict from
+            log.info("run %s: no prediction: %s", spec.run_id, e)
+            return
+        log.info(
+            "run %s: predicted %.0f tokens/s, MFU %.1f%%, $%.4f/Mtok",
+            spec.run_id,
+            p.tokens_per_s,
+            100 * p.effective_mfu,
+            p.usd_per_mtok,
+        )
+        for w in p.warnings:
+            log.warning("run %s: %s", spec.run_id, w)
 
     def _fix_layer_split(self, run: ManagedRun, adverts: dict[str, NodeAdvert], resumed: bool) -> None:
         """layer_split_auto: split the layers once, by the placed nodes' speed and memory (a resumed run

@@ -107,6 +107,8 @@ def test_two_outer_rounds_identical_consensus(
         "4 nodes to finish run swarm-a",
     )
     assert all(m["rounds"] == 2 for m in ms)
+    # one cost model: the coordinator logs the planner's prediction for what it placed
+    assert re.search(r"run swarm-a: predicted \d+ tokens/s, MFU", swarm.coordinator.log_text())
     # where and how each trained: auto on a CPU-only host is the CPU in fp32, in /status for the user
     assert all(m["device"] == "cpu" and m["precision"] == "fp32" for m in ms)
     st = [s for s in swarm.statuses() if s]

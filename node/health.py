@@ -19,6 +19,7 @@ import contextlib
 import threading
 from collections.abc import Awaitable, Callable
 
+import uvloop
 from aiohttp import web
 from aiohttp.web_protocol import RequestHandler
 
@@ -119,7 +120,7 @@ class HealthServer:
         self.status = status
         self.max_connections, self.request_timeout_s = max_connections, request_timeout_s
         self._routes = {"/health": self._health, "/status": self._status, "/metrics": self._metrics}
-        self._loop = asyncio.new_event_loop()
+        self._loop = uvloop.new_event_loop()  # libuv's loop: the node's one asyncio server, on its own thread
         self._runner: web.ServerRunner | None = None
         self._server: _GuardedServer | None = None
         self._ready = threading.Event()

@@ -13,6 +13,7 @@ progress lines and the report show predicted tokens/s next to measured.
 from __future__ import annotations
 
 import argparse
+import importlib.util
 import json
 import signal
 import sys
@@ -559,6 +560,11 @@ def preflight(args: argparse.Namespace) -> tuple[str, int, int, str]:
             raise bad_input(flag, value, f"must be at least {low}", f"{flag} {max(low, 2)}")
     if args.timeout_s <= 0:
         raise bad_input("--timeout-s", args.timeout_s, "must be positive", "--timeout-s 900")
+    if importlib.util.find_spec("moto") is None:
+        raise UsageError(
+            "crucible-swarm runs an embedded S3 store (moto), which is not installed: "
+            "`bash scripts/setup.sh` installs it, or pip install -e '.[swarm]'"
+        )
     if args.run_toml:
         from protocol.runspec import load_run_spec
 

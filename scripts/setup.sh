@@ -13,5 +13,5 @@ fi
 PIP=(.venv/bin/python -m pip install --disable-pip-version-check -q -c constraints.txt)
 .venv/bin/python -m pip install --disable-pip-version-check -q --upgrade pip
 "${PIP[@]}" "torch==2.13.0"
-"${PIP[@]}" -e ".[dev]"
+"${PIP[@]}" -e ".[dev,swarm]"
 .venv/bin/python -c 'import torch, hivemind, moto; print(f"crucible: ready (torch {torch.__version__}, hivemind {hivemind.__version__})")'

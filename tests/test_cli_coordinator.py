@@ -184,7 +184,7 @@ def test_export_round_zero_and_out_a_file(home: Path) -> None:
 
 
 def test_argparse_mistakes_are_one_line_too(home: Path) -> None:
-    usage_error(crucible(home, "stop", "tiny-llama-1", *STORE), "--bootstrap", "required")
+    usage_error(crucible(home, "launch", RUN_TOML, *STORE), "--bootstrap", "required")
     usage_error(
         crucible(home, "launch", RUN_TOML, *BOOT, *STORE, "--log-level", "LOUD"), "--log-level", "LOUD"
     )

@@ -84,13 +84,21 @@ def test_an_elected_coordinator_fails_over_and_the_deposed_one_is_stale(tmp_path
             180,
             "the run to go on under the new leader",
         )
+
         # the deposed leader's key signs one more assignment at its old term (a clock-skewed or partitioned
-        # leader would): every node holds the new term by now and refuses it as stale
-        target = next(
-            i for i in alive if (st := swarm.statuses()[i]) and st["metrics"]["run_id"] == "swarm-e"
-        )
-        st = swarm.statuses()[target]
-        assert st is not None and st["assignment"]["term"] == new[1], st["assignment"]
+        # leader would): a node holding the new term refuses it as stale
+        def holder_of_new_term() -> list[int]:  # a node of the run, training under the new leader's term
+            sts = swarm.statuses()
+            return [
+                i
+                for i in alive
+                if (st := sts[i])
+                and st["metrics"]["run_id"] == "swarm-e"
+                and st["metrics"]["state"] == "training"
+                and st["assignment"]["term"] == new[1]
+            ]
+
+        target = wait_until(holder_of_new_term, 60, "a node of the run to train under the new term")[0]
         dht = DHTClient(Identity.generate(), bootstrap=[swarm.bootstrap])
         cert = (out / f"node{old}.cert").read_bytes()
         from dataclasses import replace

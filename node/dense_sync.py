@@ -13,7 +13,8 @@ from protocol.identity import Identity
 
 
 def fragment_header(fid: FragmentId) -> dict:
-    """The header fields a fragment is signed under (store key `{run}/sync/s{stage}/f{f}/r{round}/{replica}/{signer}/{sha256}`)."""
+    """The header fields a fragment is signed under (store key `{run}/sync/s{stage}/f{f}/r{round}/{replica}/{signer}/`
+    then `fragment`, or the sha256 of the bytes when that key was taken)."""
     return {
         "run_id": fid.run_id,
         "stage": fid.stage,

@@ -19,6 +19,9 @@ as every other replica does: use those bytes if they validate against this slot'
 slot out if not. The consensus stays identical, and our unused contribution goes back to the codec
 (SparseLoCo's error feedback sends it in a later round). A store that does not answer is retried
 until the round's deadline.
+
+Waiting for the other replicas GETs keys every reader can compute (the round record, each signer's
+primary fragment key) with exponential backoff, and LISTs the round rarely (`OuterSync._listing`).
 """
 
 from __future__ import annotations
@@ -119,6 +122,39 @@ class _Exchanged:
     """Our contribution when the round did not use it (handed back to the codec at apply time)."""
 
 
+TOO_LARGE = "too large"
+"""What `_Gathered.seen` notes for a key whose object was refused by its size (no digest was taken)."""
+
+
+@dataclass
+class _Gathered:
+    """One replica's view of one round's fragments while it gathers them."""
+
+    contribs: dict[int, list[torch.Tensor]] = field(default_factory=dict)
+    """Replica -> decoded contribution."""
+    used: dict[int, tuple[str, str]] = field(default_factory=dict)
+    """Replica -> (signer, sha256) of what contribs holds."""
+    bad: set[str] = field(default_factory=set)
+    """Keys that held no valid fragment of their slot: never read again."""
+    seen: dict[str, str] = field(default_factory=dict)
+    """Key -> sha256 of the bytes it held when read (or TOO_LARGE); keys are written once, so it stays so."""
+
+
+class _Backoff:
+    """The wait between two polls of the store: first_s, doubled after each poll up to cap_s, never past
+    the deadline; back to first_s when something arrived (the replicas' uploads come close together)."""
+
+    def __init__(self, first_s: float, cap_s: float) -> None:
+        self.first_s, self.cap_s, self.delay_s = first_s, cap_s, first_s
+
+    def reset(self) -> None:
+        self.delay_s = self.first_s
+
+    def wait(self, deadline: float) -> None:
+        time.sleep(max(0.0, min(self.delay_s, deadline - time.monotonic())))
+        self.delay_s = min(2 * self.delay_s, self.cap_s)
+
+
 @dataclass
 class _Pending:
     fid: FragmentId
@@ -196,21 +232,26 @@ class OuterSync:
         timeout_s: float = 60.0,
         aggregate: Aggregator = mean_over_arrivals,
         poll_s: float = 0.1,
+        poll_max_s: float = 1.0,
         local: LocalState | None = None,
         checkpoints: StageCheckpoints | None = None,
         checkpoint_every: int = 1,
     ) -> None:
-        """local and checkpoints: what step_done() checkpoints, every `checkpoint_every` rounds, and
-        where (neither: no checkpoints, as in the benchmarks)."""
+        """poll_s, poll_max_s: the first and the longest wait between two polls of the store for the
+        other replicas' fragments (exponential backoff). local and checkpoints: what step_done()
+        checkpoints, every `checkpoint_every` rounds, and where (neither: no checkpoints, as in the
+        benchmarks)."""
         if not 0 <= tau < H or not 0 < P <= H:
             raise ValueError(f"need 0 <= tau < H and 0 < P <= H, got H={H} P={P} tau={tau}")
+        if not 0 < poll_s <= poll_max_s:
+            raise ValueError(f"need 0 < poll_s <= poll_max_s, got poll_s={poll_s} poll_max_s={poll_max_s}")
         self.params = params
         self.store, self.codec = store, codec
         self.run_id, self.stage, self.replica = run_id, stage, replica
         self.stage_peers = dict(stage_peers)
         self.former: dict[int, set[str]] = {r: set(v) for r, v in (former_stage_peers or {}).items()}
         self.H, self.P, self.tau, self.alpha, self.momentum = H, P, tau, alpha, momentum
-        self.timeout_s, self.poll_s = timeout_s, poll_s
+        self.timeout_s, self.poll_s, self.poll_max_s = timeout_s, poll_s, poll_max_s
         self.aggregate = aggregate
         self.local, self.checkpoints, self.checkpoint_every = local, checkpoints, checkpoint_every
         # strided fragments spread big and small tensors evenly: param i belongs to fragment i % P
@@ -388,41 +429,54 @@ class OuterSync:
         return set(self.stage_peers) | {self.replica}
 
     # --- the exchange -----------------------------------------------------------------------------
-    def _listing(self, fid: FragmentId) -> dict[int, list[str]]:
+    def _listing(self, fid: FragmentId) -> dict[int, list[str]] | None:
         """Fragment keys of this round per replica, keeping only those named by a signer of the replica's
-        slot (anything else under the round is not looked at). An unanswered LIST reads as empty."""
+        slot (anything else under the round is not looked at), each signer's primary key first; None if
+        the LIST was not answered.
+
+        R2 bills a LIST as a class A operation (12.5x a GET), so the exchange polls the primary keys with
+        GETs and lists the round only where no GET can name what is there: once when it starts (what our
+        slot holds before we upload; a fragment at a hash-named key from before we got here, written by a
+        signer whose primary key was taken or, in a round a resumed run replays, by a build before
+        primary keys), and while a missing slot's primary key holds something that is not its signer's
+        fragment (the real one is then at a hash-named key)."""
         prefix = keys.sync_prefix(fid.run_id, fid.stage, fid.fragment, fid.round)
         try:
             listed = self.store.list(prefix)
         except StoreError as e:
-            log.warning("listing %s failed (retrying until the round's deadline): %s", prefix, e)
-            return {}
-        found: dict[int, list[str]] = {}
-        for key in sorted(listed):
+            log.warning("listing %s failed (polling the primary keys meanwhile): %s", prefix, e)
+            return None
+        found: dict[int, list[tuple[str, bool, str]]] = {}
+        for key in listed:
             parsed = keys.parse_sync_key(prefix, key)
             if parsed is not None and parsed[1] in self._signers(parsed[0]):
-                found.setdefault(parsed[0], []).append(key)
-        return found
+                found.setdefault(parsed[0], []).append((parsed[1], parsed[2] is not None, key))
+        return {r: [key for *_, key in sorted(ks)] for r, ks in found.items()}
 
-    def _fetch_valid(
-        self, fid: FragmentId, key: str, shapes: list[torch.Size], signer: str
-    ) -> list[torch.Tensor] | None:
-        """The decoded fragment at `key` if its bytes match the key's hash and verify against `signer`;
-        None if the store did not answer (asked again at the next poll). Raises ProtocolError (or
-        ObjectTooLarge) for an object that is not a valid fragment of this slot."""
+    def _primary(self, fid: FragmentId, r: int, signer: str) -> str:
+        return keys.primary_fragment_key(fid.run_id, fid.stage, fid.fragment, fid.round, r, signer)
+
+    def _get_fragment(self, key: str, g: _Gathered) -> bytes | None:
+        """The bytes at `key`, refused (ObjectTooLarge) when larger than any valid fragment; None if absent
+        or the store did not answer (asked again at the next poll). Notes in g.seen what the key holds."""
         try:
             blob = self.store.get(key, max_bytes=self.codec.max_fragment_bytes)
         except ObjectTooLarge:
+            g.seen[key] = TOO_LARGE
             raise
         except StoreError as e:  # transient (503, reset, timeout)
             log.debug("fetch of %s failed (retrying until the round's deadline): %s", key, e)
             return None
-        if blob is None:
-            return None
-        self._count(down=len(blob))
-        if keys.content_digest(blob) != key.rsplit("/", 1)[1]:
-            raise ProtocolError("its bytes do not match the hash its key names (truncated or planted)")
-        return self.codec.decode(fid, blob, shapes, signer)
+        if blob is not None:
+            self._count(down=len(blob))
+            g.seen[key] = keys.content_digest(blob)
+        return blob
+
+    def _reject(self, fid: FragmentId, r: int, key: str, why: Exception, g: _Gathered) -> None:
+        g.bad.add(key)
+        with self._lock:
+            self.stats.rejected += 1
+        log.warning("rejected an object under replica %d's slot of %s (%s): %s", r, fid, key, why)
 
     def _read_record(self, fid: FragmentId, seen_bad: set[bytes]) -> tuple[RoundRecord | None, bool]:
         """(the round's agreed record if one is there and valid, whether any object is at its key).
@@ -489,6 +543,7 @@ class OuterSync:
         key = keys.round_record_key(fid.run_id, fid.stage, fid.fragment, fid.round)
         blob = seal(self.codec.identity, ours)
         deadline = time.monotonic() + self.timeout_s
+        backoff = _Backoff(self.poll_s, self.poll_max_s)
         while True:
             try:
                 if self.store.put_if_absent(key, blob) is not None:
@@ -509,62 +564,75 @@ class OuterSync:
                         fid.fragment,
                     )
                 return None
-            time.sleep(self.poll_s)
+            backoff.wait(deadline)
 
     def _follow(
-        self,
-        fid: FragmentId,
-        rec: RoundRecord,
-        contribs: dict[int, list[torch.Tensor]],
-        used: dict[int, tuple[str, str]],
-        shapes: list[torch.Size],
+        self, fid: FragmentId, rec: RoundRecord, g: _Gathered, shapes: list[torch.Size]
     ) -> dict[int, list[torch.Tensor]]:
-        """Exactly the record's set: what we hold already, the rest fetched by the keys it names. An
-        entry whose object is not a valid fragment is left out by every replica alike (all read the same
+        """Exactly the record's set: what we hold already, the rest fetched where its signer put it (the
+        signer's primary key if it holds the listed bytes, else the key naming their hash). An entry
+        whose bytes are not a valid fragment is left out by every replica alike (all read the same
         bytes); one the store will not give us before a second deadline fails the round."""
         final: dict[int, list[torch.Tensor]] = {}
         deadline = time.monotonic() + self.timeout_s
+        backoff = _Backoff(self.poll_s, self.poll_max_s)
         for e in rec.entries:
-            if used.get(e.replica) == (e.signer, e.digest):
-                final[e.replica] = contribs[e.replica]
+            if g.used.get(e.replica) == (e.signer, e.digest):
+                final[e.replica] = g.contribs[e.replica]
                 continue
-            key = keys.fragment_key(
-                fid.run_id, fid.stage, fid.fragment, fid.round, e.replica, e.signer, e.digest
-            )
             other = FragmentId(fid.run_id, fid.stage, fid.fragment, fid.round, e.replica)
-            while e.replica not in final:
-                try:
-                    got = self._fetch_valid(other, key, shapes, e.signer)
-                except (ProtocolError, ObjectTooLarge) as err:
-                    log.warning(
-                        "round %d: the record lists an invalid fragment of replica %d: %s",
-                        fid.round,
-                        e.replica,
-                        err,
-                    )
-                    break
-                if got is not None:
-                    final[e.replica] = got
-                elif time.monotonic() > deadline:
-                    raise RoundAgreementError(
-                        f"round {fid.round} fragment {fid.fragment}: the agreed record lists replica "
-                        f"{e.replica}'s fragment {key}, which the store did not give us within "
-                        f"{self.timeout_s:.0f} s; this replica cannot apply the agreed set"
-                    )
-                else:
-                    time.sleep(self.poll_s)
+            where = [
+                self._primary(fid, e.replica, e.signer),
+                keys.fragment_key(
+                    fid.run_id, fid.stage, fid.fragment, fid.round, e.replica, e.signer, e.digest
+                ),
+            ]
+            try:
+                while (blob := self._read_listed(where, e.digest, g)) is None:
+                    if time.monotonic() > deadline:
+                        raise RoundAgreementError(
+                            f"round {fid.round} fragment {fid.fragment}: the agreed record lists replica "
+                            f"{e.replica}'s fragment {e.digest}, which the store did not give us (at {where[0]} "
+                            f"or {where[1]}) within {self.timeout_s:.0f} s; this replica cannot apply the agreed set"
+                        )
+                    backoff.wait(deadline)
+                final[e.replica] = self.codec.decode(other, blob, shapes, e.signer)
+            except ProtocolError as err:
+                log.warning(
+                    "round %d: the record lists an invalid fragment of replica %d: %s",
+                    fid.round,
+                    e.replica,
+                    err,
+                )
         return final
+
+    def _read_listed(self, where: list[str], digest: str, g: _Gathered) -> bytes | None:
+        """The bytes of sha256 `digest` from the first key of `where` that holds them; None if none does yet.
+        Raises ProtocolError where none can: each key held other bytes when read (keys are written once, so
+        they are not asked again), or those very bytes were rejected here."""
+        todo = [k for k in where if g.seen.get(k, digest) == digest]
+        if not todo or any(k in g.bad for k in todo):
+            raise ProtocolError("no key of its signer holds those bytes as a valid fragment")
+        for key in todo:
+            try:
+                blob = self._get_fragment(key, g)
+            except ObjectTooLarge:
+                continue
+            if blob is not None and g.seen[key] == digest:
+                return blob
+        return None
 
     def _exchange(self, fid: FragmentId, encoding: Encoding, shapes: list[torch.Size]) -> _Exchanged:
         """I/O thread: finish encoding ours, upload it, gather the other replicas' fragments until all
         arrived or the deadline, then agree on the round's set through its write-once round record.
 
-        A slot is settled only by a valid fragment signed by a signer of the replica's slot, found at a
-        key that names that signer and the fragment's hash. Anything else under the round (a squatter's
-        object, a truncated or forged one, one signed by a stranger) is counted as rejected and never read
-        again, and the slot stays open until the deadline: planting garbage cannot empty a round. Our own
-        slot is resolved like a peer's: if it already holds a valid fragment of ours (uploaded before a
-        restart), every replica may have used that one, so we use it too and do not upload a second.
+        A slot is settled only by a valid fragment signed by a signer of the replica's slot, found at
+        that signer's primary key or at a key that names the signer and the fragment's hash. Anything
+        else under the round (a squatter's object, a truncated or forged one, one signed by a stranger) is
+        counted as rejected and never read again, and the slot stays open until the deadline: planting
+        garbage cannot empty a round. Our own slot is resolved like a peer's: if it already holds a valid
+        fragment of ours (uploaded before a restart), every replica may have used that one, so we use it
+        too and do not upload a second.
 
         Whoever settles first (every slot in, or its deadline) writes the set it holds as the round's
         record; every replica that finds a record applies exactly that set, fetching what it lacks, so
@@ -572,61 +640,56 @@ class OuterSync:
         data, own = encoding()
         me = fid.replica
         own_digest = keys.content_digest(data)
-        own_key = keys.fragment_key(
-            fid.run_id, fid.stage, fid.fragment, fid.round, me, self.codec.signer, own_digest
-        )
-        contribs: dict[int, list[torch.Tensor]] = {}
-        used: dict[int, tuple[str, str]] = {}  # replica -> (signer, digest) of what contribs holds
-        bad: set[str] = set()  # keys that held no valid fragment of their slot
+        g = _Gathered()
         bad_records: set[bytes] = set()
-        uploaded = False
-        why_not_ours = "the object store did not answer before the deadline"
         deadline = time.monotonic() + self.timeout_s
+        backoff = _Backoff(self.poll_s, self.poll_max_s)
+        listed = False
         rec: RoundRecord | None = None
         while True:
             rec, _ = self._read_record(fid, bad_records)
             if rec is not None:
                 break
-            found = self._listing(fid)
-            for r in sorted(self._slots() - set(contribs)):
-                other = FragmentId(fid.run_id, fid.stage, fid.fragment, fid.round, r)
-                for key in found.get(r, []):
-                    if key in bad or key == own_key:
-                        continue
-                    signer = key.rsplit("/", 2)[1]
-                    try:
-                        got = self._fetch_valid(other, key, shapes, signer)
-                    except (ProtocolError, ObjectTooLarge) as e:
-                        bad.add(key)
-                        with self._lock:
-                            self.stats.rejected += 1
-                        log.warning("rejected an object under replica %d's slot of %s: %s", r, fid, e)
-                        continue
-                    if got is not None:
-                        contribs[r], used[r] = got, (signer, key.rsplit("/", 1)[1])
-                        if r == me:
-                            why_not_ours = "a valid fragment of this slot was already in the store (from before a restart)"
-                        break
-                if r == me and me not in contribs and not uploaded:
-                    state, _ = self._put_once(own_key, data)
-                    if state is True:
-                        uploaded = True
-                        contribs[me], used[me] = own, (self.codec.signer, own_digest)
-                    elif state is False:  # our exact key held other bytes: only someone who knew our bytes
-                        bad.add(own_key)
-                        why_not_ours = "our fragment's key already held other bytes"
-            if not self._slots() - set(contribs) or time.monotonic() > deadline:
-                rec = self._settle(fid, used, bad_records)
+            waiting = sorted(self._slots() - set(g.contribs))
+            squatted = any(
+                self._primary(fid, r, sg) in g.bad for r in waiting if r != me for sg in self._signers(r)
+            )
+            found = self._listing(fid) if not listed or squatted else None
+            listed = listed or found is not None
+            arrived = False
+            for r in waiting:
+                if found is not None:
+                    candidates = found.get(r, [])
+                else:  # our slot is not polled: we put ours there
+                    candidates = (
+                        [] if r == me else [self._primary(fid, r, s) for s in sorted(self._signers(r))]
+                    )
+                arrived |= self._take(fid, r, candidates, shapes, g, (own, own_digest))
+                if r == me and me not in g.contribs:
+                    self._put_ours(fid, data, (own, own_digest), shapes, g)
+            if not self._slots() - set(g.contribs) or time.monotonic() > deadline:
+                rec = self._settle(fid, g.used, bad_records)
                 break
-            time.sleep(self.poll_s)
-        if rec is not None:
-            contribs = self._follow(fid, rec, contribs, used, shapes)
-            if me not in contribs:
-                why_not_ours = "the round's agreed record, written by the replica that settled it first, does not list it"
+            if arrived:
+                backoff.reset()
+            backoff.wait(deadline)
+        contribs = g.contribs if rec is None else self._follow(fid, rec, g, shapes)
         ours_used = contribs.get(me) is own
         if not ours_used:
             with self._lock:
                 self.stats.not_uploaded += 1
+            own_key = keys.fragment_key(
+                fid.run_id, fid.stage, fid.fragment, fid.round, me, self.codec.signer, own_digest
+            )
+            why_not_ours = (
+                "the round's agreed record, written by the replica that settled it first, does not list it"
+                if rec is not None and me not in contribs
+                else "a valid fragment of this slot was already in the store (from before a restart)"
+                if me in contribs
+                else "our fragment's key already held other bytes"  # only someone who knew our bytes
+                if own_key in g.bad
+                else "the object store did not answer before the deadline"
+            )
             log.warning(
                 "our fragment %s was not used: %s; it stays in error feedback for a later round",
                 fid,
@@ -647,6 +710,75 @@ class OuterSync:
                 sorted(contribs),
             )
         return _Exchanged(contribs, None if ours_used else own)
+
+    def _take(
+        self,
+        fid: FragmentId,
+        r: int,
+        candidates: list[str],
+        shapes: list[torch.Size],
+        g: _Gathered,
+        ours: tuple[list[torch.Tensor], str],
+    ) -> bool:
+        """Settle slot r in g with the first of `candidates` that holds a valid fragment of it: its bytes
+        verify against the signer the key names (a signer of the slot) and, at a key naming a hash, match
+        that hash. Each invalid object met before is rejected, once. True if it settled the slot. In our
+        slot, our own bytes (a PUT whose reply was lost, a replay) are `ours`, (contribution, sha256)."""
+        other = FragmentId(fid.run_id, fid.stage, fid.fragment, fid.round, r)
+        for key in (k for k in candidates if k not in g.bad):
+            signer, name = key.rsplit("/", 2)[1:]
+            try:
+                if (blob := self._get_fragment(key, g)) is None:
+                    continue
+                if name != keys.PRIMARY_NAME and g.seen[key] != name:
+                    raise ProtocolError(
+                        "its bytes do not match the hash its key names (truncated or planted)"
+                    )
+                got = self.codec.decode(other, blob, shapes, signer)
+            except (ProtocolError, ObjectTooLarge) as e:
+                self._reject(fid, r, key, e, g)
+                continue
+            if r == fid.replica and (signer, g.seen[key]) == (self.codec.signer, ours[1]):
+                got = ours[0]
+            g.contribs[r], g.used[r] = got, (signer, g.seen[key])
+            return True
+        return False
+
+    def _put_ours(
+        self,
+        fid: FragmentId,
+        data: bytes,
+        ours: tuple[list[torch.Tensor], str],
+        shapes: list[torch.Size],
+        g: _Gathered,
+    ) -> None:
+        """Upload our fragment to our primary key, or, if that holds anything but a valid fragment of ours,
+        to the key naming its hash, and settle our slot in g with what the round can use: `ours`, or a
+        valid fragment of ours already at the primary key (from before a restart). Nothing settled: the
+        store did not answer (again at the next poll), or both keys held other bytes."""
+        me, signer = fid.replica, self.codec.signer
+        primary = self._primary(fid, me, signer)
+        by_hash = keys.fragment_key(fid.run_id, fid.stage, fid.fragment, fid.round, me, signer, ours[1])
+        for key in (k for k in (primary, by_hash) if k not in g.bad):
+            state, stored = self._put_once(key, data)
+            if state is None:
+                return
+            if state:
+                g.contribs[me], g.used[me] = ours[0], (signer, ours[1])
+                return
+            g.seen[key] = keys.content_digest(stored) if stored else TOO_LARGE
+            if key == by_hash:
+                g.bad.add(key)
+                return
+            try:
+                if not stored:
+                    raise ObjectTooLarge("larger than any valid fragment")
+                g.contribs[me] = self.codec.decode(fid, stored, shapes, signer)
+            except (ProtocolError, ObjectTooLarge) as e:
+                self._reject(fid, me, key, e, g)
+                continue
+            g.used[me] = (signer, g.seen[key])
+            return
 
     def _apply(self, p: _Pending) -> None:
         t = time.perf_counter()

@@ -67,13 +67,27 @@ def content_digest(data: bytes) -> str:
     return hashlib.sha256(data).hexdigest()
 
 
+PRIMARY_NAME = "fragment"
+"""The last part of a primary fragment key (a content digest is 64 hex digits, so the two never meet)."""
+
+
+def primary_fragment_key(run: str, stage: int, frag: int, rnd: int, replica: int, signer: str) -> str:
+    """Where a signer puts its fragment of a round first: `{slot}{signer}/fragment`, a name every reader can
+    compute, so readers poll it with GETs instead of listing the round (R2 bills a LIST as a class A
+    operation). Written once (If-None-Match). Being predictable, anyone with store credentials can take it
+    first; a signer that finds it holding anything but its own valid fragment writes at `sync_key`
+    instead, and readers that find garbage there list the slot to find that key."""
+    return f"{slot_prefix(run, stage, frag, rnd, replica)}{signer}/{PRIMARY_NAME}"
+
+
 def sync_key(run: str, stage: int, frag: int, rnd: int, replica: int, signer: str, data: bytes) -> str:
     """One replica's signed pseudo-gradient fragment for one round, named by its signer and content:
-    `{slot}{signer peer id}/{sha256 of the bytes}`. Any holder of store credentials can write any key,
-    so a key nobody can predict before the signer writes it is what makes the slot the signer's in
-    effect: garbage under the slot (a squatter's, a truncated upload) sits beside the real fragment
-    instead of taking its place, and readers use only what verifies against the key's hash and the
-    signer in effect for the replica. Written once (If-None-Match)."""
+    `{slot}{signer peer id}/{sha256 of the bytes}` (the fallback when `primary_fragment_key` was taken).
+    Any holder of store credentials can write any key, so a key nobody can predict before the signer
+    writes it is what makes the slot the signer's in effect: garbage under the slot (a squatter's, a
+    truncated upload) sits beside the real fragment instead of taking its place, and readers use only
+    what verifies against the signer in effect for the replica (and, here, the key's hash). Written once
+    (If-None-Match)."""
     return fragment_key(run, stage, frag, rnd, replica, signer, content_digest(data))
 
 
@@ -82,17 +96,20 @@ def fragment_key(run: str, stage: int, frag: int, rnd: int, replica: int, signer
     return f"{slot_prefix(run, stage, frag, rnd, replica)}{signer}/{digest}"
 
 
-def parse_sync_key(prefix: str, key: str) -> tuple[int, str, str] | None:
-    """(replica, signer, digest) of a fragment key under a round's `prefix`, or None for any other name."""
+def parse_sync_key(prefix: str, key: str) -> tuple[int, str, str | None] | None:
+    """(replica, signer, digest) of a fragment key under a round's `prefix`, digest None for a primary key
+    (`primary_fragment_key`); None for any other name."""
     if not key.startswith(prefix):
         return None
     parts = key[len(prefix) :].split("/")
-    if len(parts) != 3 or not parts[0].isdigit() or len(parts[0]) > 6 or len(parts[2]) != 64:
+    if len(parts) != 3 or not parts[0].isdigit() or len(parts[0]) > 6 or not parts[1]:
         return None
-    replica, signer, digest = parts
-    if not signer or any(c not in "0123456789abcdef" for c in digest):
+    replica, signer, name = parts
+    if name == PRIMARY_NAME:
+        return int(replica), signer, None
+    if len(name) != 64 or any(c not in "0123456789abcdef" for c in name):
         return None
-    return int(replica), signer, digest
+    return int(replica), signer, name
 
 
 def ckpt_prefix(run: str) -> str:

@@ -83,7 +83,7 @@ class FragmentMismatch(FragmentError):
 
 @dataclass(kw_only=True, frozen=True)
 class FragmentHeader:
-    """What a fragment is (store key `{run}/sync/s{stage}/f{fragment}/r{round}/{replica}/{signer}/{sha256}`) and how to
+    """What a fragment is (store key `{run}/sync/s{stage}/f{fragment}/r{round}/{replica}/{signer}/fragment`, or `.../{sha256}` when that was taken) and how to
     decode it. All of it is covered by the signature."""
 
     run_id: str

@@ -9,10 +9,13 @@ refused when named alone. No torch here: `crucible-swarm` runs this before it st
 from __future__ import annotations
 
 import glob
+import hashlib
 import os
 import sysconfig
 from dataclasses import dataclass, field
 from pathlib import Path
+
+from protocol.corpus import ShardEntry
 
 SNIFF_BYTES = 8192
 MIN_CORPUS_BYTES = 1024 * 16
@@ -28,6 +31,9 @@ class CorpusScan:
     """What a corpus spec holds: the text files used and what was skipped, with sizes."""
 
     source: str
+    root: Path = Path(".")
+    """What the files' manifest names are relative to: the folder, a single file's folder, the deepest
+    folder holding every match of a glob, the standard library's folder."""
     files: list[Path] = field(default_factory=list)
     bytes: int = 0
     binary: list[Path] = field(default_factory=list)
@@ -55,17 +61,18 @@ def is_text(head: bytes) -> bool:
     return True
 
 
-def _candidates(source: str) -> tuple[list[Path], bool]:
-    """(files, named_alone): the files a spec names; named_alone when the user named one file."""
+def _candidates(source: str) -> tuple[Path, list[Path], bool]:
+    """(root, files, named_alone): the files a spec names and the folder their names are relative to;
+    named_alone when the user named one file."""
     if source == "stdlib":
         root = Path(sysconfig.get_paths()["stdlib"])
-        return sorted(p for p in root.rglob("*.py") if "site-packages" not in p.parts), False
+        return root, sorted(p for p in root.rglob("*.py") if "site-packages" not in p.parts), False
     path = Path(source).expanduser()
     if path.is_file():
-        return [path], True
+        return path.parent, [path], True
     if path.is_dir():
         hidden = lambda p: any(part.startswith(".") for part in p.relative_to(path).parts)  # noqa: E731
-        return sorted(p for p in path.rglob("*") if p.is_file() and not hidden(p)), False
+        return path, sorted(p for p in path.rglob("*") if p.is_file() and not hidden(p)), False
     matches = sorted(
         Path(p) for p in glob.glob(os.path.expanduser(source), recursive=True) if os.path.isfile(p)
     )
@@ -74,14 +81,14 @@ def _candidates(source: str) -> tuple[list[Path], bool]:
         raise DataError(
             f"--data {source!r} {what}: give 'stdlib', a text file, a directory or a glob like 'corpus/*.txt'"
         )
-    return matches, False
+    return Path(os.path.commonpath([p.parent for p in matches])), matches, False
 
 
 def scan_corpus(source: str, *, min_bytes: int = MIN_CORPUS_BYTES) -> CorpusScan:
     """The text files of `source` and their total size; DataError (with the counts found) when they
     hold fewer than `min_bytes`, or when a file named alone is not text."""
-    files, alone = _candidates(source)
-    scan = CorpusScan(source)
+    root, files, alone = _candidates(source)
+    scan = CorpusScan(source, root)
     for p in files:
         try:
             with p.open("rb") as f:
@@ -105,3 +112,27 @@ def scan_corpus(source: str, *, min_bytes: int = MIN_CORPUS_BYTES) -> CorpusScan
             f"{min_bytes // 1024} KB of UTF-8 text (example: --data ~/corpus or --data 'books/*.txt')"
         )
     return scan
+
+
+def file_sha256(path: Path, chunk: int = 1 << 20) -> tuple[int, str]:
+    """(size, sha256 hex) of a file, read in chunks."""
+    h, size = hashlib.sha256(), 0
+    with path.open("rb") as f:
+        while block := f.read(chunk):
+            h.update(block)
+            size += len(block)
+    return size, h.hexdigest()
+
+
+def manifest_of(scan: CorpusScan) -> list[ShardEntry]:
+    """The manifest entries of a scanned corpus (protocol/corpus.py), sorted by name (the order of the
+    corpus's token stream, in a folder and in the store alike): each text file's name relative to the
+    scan's root, its size and sha256, read now."""
+    entries = []
+    for p in scan.files:
+        try:
+            size, sha = file_sha256(p)
+        except OSError as e:
+            raise DataError(f"cannot read corpus file {p}: {e}") from e
+        entries.append(ShardEntry(name=p.relative_to(scan.root).as_posix(), size=size, sha256=sha))
+    return sorted(entries, key=lambda e: e.name)

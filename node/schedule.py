@@ -19,6 +19,7 @@ tensor and, forward, the token ids, so the last stage has its targets and T[x] c
 
 from __future__ import annotations
 
+import math
 import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
@@ -56,6 +57,25 @@ class StepStats:
     wait_s: float = 0.0
     """Time blocked on receives (link latency/bandwidth not hidden by compute)."""
     extra: dict[str, float] = field(default_factory=dict)
+
+
+@dataclass(frozen=True)
+class Evaluation:
+    """A validation pass on the last stage (every batch holds the same number of tokens)."""
+
+    loss: float
+    """Mean loss per token, nats."""
+    tokens: int
+    """Tokens predicted."""
+    text_bytes: int
+    """UTF-8 bytes of text those tokens stand for (= tokens at byte level)."""
+
+    @property
+    def bits_per_byte(self) -> float:
+        """sum nll / (ln 2 x bytes): the byte-level definition under any tokenizer (node/tokenizer.py)."""
+        if self.tokens == self.text_bytes:
+            return self.loss / math.log(2)  # byte level: bits per token are bits per byte
+        return self.loss * self.tokens / (math.log(2) * max(self.text_bytes, 1))
 
 
 @dataclass
@@ -185,10 +205,17 @@ class PipelineStage:
 
     # --- evaluation -------------------------------------------------------------------------------
     @torch.no_grad()
-    def evaluate(self, step: int, batches: list[torch.Tensor] | None, n_batches: int) -> float | None:
-        """Mean validation loss (nats) over the batches; returned on the last stage, None elsewhere."""
+    def evaluate(
+        self,
+        step: int,
+        batches: list[torch.Tensor] | None,
+        n_batches: int,
+        token_bytes: torch.Tensor | None = None,
+    ) -> Evaluation | None:
+        """The validation loss over the batches; returned on the last stage, None elsewhere (and when there
+        are no batches). token_bytes: (vocab,) text bytes per token id (a tokenizer's), None = one byte each."""
         stats = StepStats()
-        total = 0.0
+        total, tokens_seen, text_bytes = 0.0, 0, 0
         for i in range(n_batches):
             if self.first:
                 assert batches is not None
@@ -199,7 +226,14 @@ class PipelineStage:
             out = self.module(x)
             if self.last:
                 total += float(lm_loss(out, tokens))
+                targets = tokens[:, 1:]  # (b, L)
+                tokens_seen += targets.numel()
+                text_bytes += (
+                    targets.numel() if token_bytes is None else int(token_bytes[targets.cpu()].sum())
+                )
             else:
                 assert self.next is not None and self.codec_out is not None
                 self.next.send(self.codec_out.pack_fwd_async("eval", step, i, out, tokens))
-        return total / n_batches if self.last else None
+        if not self.last or n_batches == 0:
+            return None
+        return Evaluation(loss=total / n_batches, tokens=tokens_seen, text_bytes=text_bytes)

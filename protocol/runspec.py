@@ -13,6 +13,7 @@ from dataclasses import dataclass, field, fields
 from pathlib import Path
 from typing import Any, Literal
 
+from protocol.corpus import ManifestError, check_sha256, is_store_url, parse_store_url
 from protocol.schema import SchemaError, check_finite, check_range, describe, from_dict
 
 RUN_ID_PATTERN = re.compile(r"[a-z0-9][a-z0-9-]{0,62}")
@@ -49,7 +50,8 @@ class ModelSpec:
     """A Llama-style decoder (RMSNorm, RoPE, SwiGLU); byte-level vocabulary by default."""
 
     vocab: int = 256
-    """Vocabulary size; 256 = raw bytes, so loss in bits per token is bits per byte."""
+    """Vocabulary size: 256 = raw bytes (loss in bits per token is bits per byte); with train.tokenizer,
+    the tokenizer's vocabulary size (validation still reports bits per byte: nats / (ln 2 x bytes))."""
     d_model: int = 256
     """Residual width d."""
     n_layers: int = 4
@@ -102,7 +104,19 @@ class TrainSpec:
     grad_clip: float = 1.0
     """Clip each stage's gradient norm to this (0 disables)."""
     data: str = "stdlib"
-    """Corpus: "stdlib" (the Python standard library's source) or a path/glob of text files."""
+    """Corpus: "stdlib" (the Python standard library's source); a text file, a folder (every readable text
+    file under it) or a glob, a relative one under each node's `--data-root`; or `s3://bucket/prefix`,
+    shards in the object store listed by the manifest at `prefix/crucible-manifest.jsonl`
+    (protocol/corpus.py), streamed to the node's disk and checked shard by shard."""
+    data_sha256: str = ""
+    """The corpus's content hash (protocol/corpus.py: sha256 of its manifest of names, sizes and sha256s);
+    a first stage whose corpus hashes otherwise refuses the assignment, naming both hashes. Empty = not
+    checked (each node trains on what it finds). `crucible-swarm` fills it in."""
+    tokenizer: str = ""
+    """A `tokenizers` tokenizer.json (a path, a relative one under each node's `--data-root`, or
+    `s3://bucket/key`); model.vocab must equal its vocabulary size. Empty = bytes (vocabulary 256)."""
+    tokenizer_sha256: str = ""
+    """sha256 of the tokenizer.json's bytes; a node whose file differs refuses. Empty = not checked."""
     data_seed: int = 1234
     """Seed of batch sampling; each replica draws its own stream from it."""
     val_fraction: float = 0.02
@@ -129,6 +143,20 @@ class TrainSpec:
         if not 1 <= len(self.data) <= 4096:
             raise ValueError(
                 f'train.data={describe(self.data)} must be 1-4096 characters ("stdlib" or a path)'
+            )
+        if len(self.tokenizer) > 4096:
+            raise ValueError(f"train.tokenizer={describe(self.tokenizer)} must be at most 4096 characters")
+        for where, url in (("train.data", self.data), ("train.tokenizer", self.tokenizer)):
+            if is_store_url(url):
+                try:
+                    parse_store_url(url)
+                except ManifestError as e:
+                    raise ValueError(f"{where}: {e}") from None
+        check_sha256("train.data_sha256", self.data_sha256, empty_ok=True)
+        check_sha256("train.tokenizer_sha256", self.tokenizer_sha256, empty_ok=True)
+        if self.tokenizer_sha256 and not self.tokenizer:
+            raise ValueError(
+                "train.tokenizer_sha256 is set but train.tokenizer is empty: name the tokenizer.json"
             )
         if self.batch_size % self.microbatches:
             raise ValueError(
@@ -319,6 +347,11 @@ class RunSpec:
             raise ValueError(f"replicas={self.replicas} and stages={self.stages} must be positive")
         check_range("replicas", self.replicas, 1, 1 << 16)  # messages.MAX_REPLICAS
         check_range("eval_every", self.eval_every, 0, MAX_STEPS)
+        if not self.train.tokenizer and self.model.vocab < 256:
+            raise ValueError(
+                f"model.vocab={self.model.vocab}: a byte-level run (no train.tokenizer) needs at least 256 "
+                "(one id per byte value)"
+            )
         if self.stages > self.model.n_layers:
             raise ValueError(f"stages={self.stages} exceeds model.n_layers={self.model.n_layers}")
         if self.pipeline.link_k and len(self.pipeline.link_k) != self.stages - 1:

@@ -45,12 +45,14 @@ from protocol.cli_errors import (
     bad_input,
     check_multiaddr,
     check_peer_id,
+    check_port_free,
     check_positive,
     check_url,
     run_cli,
 )
 from protocol.delegation import OperatorTrust, RefusalLog, issue, utc
 from protocol.identity import Identity
+from protocol.logs import LOG_FORMATS, LOG_LEVELS, setup_logging, version
 from protocol.messages import ANY_RUN, MAX_DELEGATION_S, NodeAdvert, RunRecord
 from protocol.runspec import check_run_id, load_run_spec
 from protocol.signals import install_stop_signals
@@ -65,9 +67,16 @@ BUCKET_PATTERN = re.compile(r"[a-z0-9][a-z0-9.-]{1,61}[a-z0-9]")
 """S3 bucket names (as MinIO and R2 apply them too): 3-63 lowercase letters, digits, dots and dashes."""
 
 
-def _common_args(p: argparse.ArgumentParser, *, log_level: bool = True) -> None:
+def _common_args(p: argparse.ArgumentParser, *, log_level: bool = True, log_default: str = "WARNING") -> None:
+    """log_default: INFO for the service (serve), WARNING for one-shot commands (quiet unless wrong)."""
     if log_level:
-        p.add_argument("--log-level", default="INFO", choices=["DEBUG", "INFO", "WARNING", "ERROR"])
+        p.add_argument("--log-level", default=log_default, choices=LOG_LEVELS, help=f"default {log_default}")
+        p.add_argument(
+            "--log-format",
+            default="text",
+            choices=LOG_FORMATS,
+            help="text (default) or json: one object per line (ts, level, logger, msg, pid)",
+        )
     p.add_argument("--debug", action="store_true", help="show the traceback of an error")
 
 
@@ -88,7 +97,9 @@ def _store_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--store-secret-key", default="", help="secret key (default: boto3's chain)")
 
 
-def _swarm_args(p: argparse.ArgumentParser, *, store: bool, key: bool, dht: bool = True) -> None:
+def _swarm_args(
+    p: argparse.ArgumentParser, *, store: bool, key: bool, dht: bool = True, log_default: str = "WARNING"
+) -> None:
     """dht=False: the command does not use the DHT (stop writes to the store), so --bootstrap is
     accepted but not required."""
     p.add_argument(
@@ -110,7 +121,7 @@ def _swarm_args(p: argparse.ArgumentParser, *, store: bool, key: bool, dht: bool
             f"operator key (default {DEFAULT_OPERATOR_KEY_FILE}); never created here: create it once with "
             "`crucible-coordinator init`",
         )
-    _common_args(p)
+    _common_args(p, log_default=log_default)
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -120,6 +131,7 @@ def build_parser() -> argparse.ArgumentParser:
         formatter_class=argparse.RawDescriptionHelpFormatter,
         epilog=__doc__,
     )
+    ap.add_argument("--version", action="version", version=f"%(prog)s {version()}")
     sub = ap.add_subparsers(dest="command", required=True, metavar="COMMAND")
     it = sub.add_parser(
         "init",
@@ -134,7 +146,7 @@ def build_parser() -> argparse.ArgumentParser:
     s = sub.add_parser(
         "serve", help="run a coordinator: take launched runs' leases, place nodes, publish assignments"
     )
-    _swarm_args(s, store=True, key=True)
+    _swarm_args(s, store=True, key=True, log_default="INFO")
     s.add_argument(
         "--lease-s", type=float, default=15.0, help="run lease duration in seconds (renewed every tick)"
     )
@@ -162,6 +174,20 @@ def build_parser() -> argparse.ArgumentParser:
         metavar="PEER_ID",
         help="with --certificate: peer id (12D3KooW...) of the operator whose runs this coordinator serves "
         "(the --operator-key its nodes trust)",
+    )
+    s.add_argument(
+        "--http-host",
+        default="127.0.0.1",
+        metavar="ADDR",
+        help="address the dashboard and /metrics listen on (default 127.0.0.1; 0.0.0.0 for every interface)",
+    )
+    s.add_argument(
+        "--http-port",
+        type=int,
+        default=0,
+        metavar="PORT",
+        help="port of the dashboard (/), its API (/api/runs) and Prometheus /metrics (default 0: any free "
+        "port; the URL is printed and published in each run's record for `status`)",
     )
     s.set_defaults(operator_key_file=None)  # given explicitly, or DEFAULT when signing with the operator key
 
@@ -350,6 +376,7 @@ def check_args(args: argparse.Namespace) -> None:
     if args.command == "serve":
         check_positive("--lease-s", args.lease_s, "--lease-s 15")
         check_positive("--churn-grace-s", args.churn_grace_s, "--churn-grace-s 10")
+        check_port_free("--http-port", args.http_host, args.http_port)
     if getattr(args, "round", None) is not None and args.round < 1:
         raise bad_input("--round", args.round, "rounds count from 1; omit it for the newest", "--round 12")
     if args.command == "export":
@@ -427,6 +454,8 @@ def format_status(
         )
         if rec.reason:
             lines.append(f"  reason: {rec.reason}")
+        if rec.dashboard:
+            lines.append(f"  dashboard: {rec.dashboard}")
     if only and not lines:
         lines.append(
             f"run {only}: not found in the DHT (launched? its record expires 60 s after its coordinator stops)"
@@ -501,6 +530,7 @@ def cmd_certify(args: argparse.Namespace) -> int:
 
 
 def cmd_serve(args: argparse.Namespace) -> int:
+    from coordinator.dashboard import Dashboard
     from coordinator.service import Coordinator
 
     ident: Identity = args.signer
@@ -521,10 +551,18 @@ def cmd_serve(args: argparse.Namespace) -> int:
         who = f"coordinator={ident.peer_id} certified by operator={args.operator_key}"
     else:
         who = f"operator={ident.peer_id}"
-    print(f"crucible-coordinator ready: {who} dht={dht.peer_id}", flush=True)
+    try:
+        dashboard = Dashboard(coord, args.http_host, args.http_port)
+    except RuntimeError:
+        dht.shutdown()
+        raise
+    shown = "127.0.0.1" if args.http_host in ("0.0.0.0", "") else args.http_host
+    coord.dashboard_url = f"http://{shown}:{dashboard.port}/"
+    print(f"crucible-coordinator ready: {who} dht={dht.peer_id} dashboard={coord.dashboard_url}", flush=True)
     try:
         coord.serve()
     finally:
+        dashboard.close()
         dht.shutdown()
     return 0
 
@@ -618,13 +656,7 @@ def _user_errors() -> tuple[type[Exception], ...]:
 def _main(argv: list[str] | None) -> int:
     args = build_parser().parse_args(argv)
     check_args(args)
-    logging.basicConfig(
-        level=getattr(args, "log_level", "INFO"),
-        format="%(asctime)s %(levelname)s %(name)s: %(message)s",
-        stream=sys.stderr,
-    )
-    for noisy in ("hivemind", "botocore", "urllib3"):
-        logging.getLogger(noisy).setLevel(logging.WARNING)
+    setup_logging(getattr(args, "log_level", "WARNING"), getattr(args, "log_format", "text"))
     try:
         return COMMANDS[args.command](args)
     except _user_errors() as e:

@@ -77,6 +77,8 @@ __all__ = [
     "economics",
     "get_model",
     "id_bytes",
+    "Figures",
+    "figures",
     "load_pool",
     "naive_layout",
     "predict",
@@ -341,6 +343,30 @@ def _replica_step(
     return _ReplicaStep(seconds=seconds, step_s=step + sync, links=links, fragment_transfer_s=t_f_max)
 
 
+@dataclass(kw_only=True, frozen=True)
+class Figures:
+    """Effective MFU, tax and $/Mtok of a layout at a given tokens/s (predicted, or measured live)."""
+
+    effective_mfu: float
+    tax: float
+    usd_per_mtok: float | None
+    """None at 0 tokens/s."""
+
+
+def figures(shape: ModelShape, layout: Layout, settings: RunSettings, tokens_per_s: float) -> Figures:
+    """The module docstring's definitions at `tokens_per_s`: what `predict` reports for its prediction
+    and what the coordinator's dashboard reports for the tokens/s the nodes measure."""
+    placed = [h for rep in layout.replicas for h in rep]
+    peak_total = sum(h.peak_tflops for h in placed)
+    mfu = tokens_per_s * shape.flops_per_token() / (peak_total * 1e12) if peak_total > 0 else 0.0
+    usd = sum(h.usd_per_hour for h in placed)
+    return Figures(
+        effective_mfu=mfu,
+        tax=1.0 - mfu / settings.ceiling,
+        usd_per_mtok=usd_per_mtok(usd, tokens_per_s) if tokens_per_s > 0 else None,
+    )
+
+
 def predict(shape: ModelShape, layout: Layout, settings: RunSettings) -> Prediction:
     """Predict throughput, MFU, tax and price of `layout` (module docstring for F and the definitions).
 
@@ -384,7 +410,7 @@ def predict(shape: ModelShape, layout: Layout, settings: RunSettings) -> Predict
         settings.microbatches * settings.microbatch_size * shape.seq_len / st.step_s for st in steps
     )
     usd_per_hour = sum(h.usd_per_hour for h in placed)
-    mfu = tokens_per_s * F / (peak_total * 1e12)
+    fig = figures(shape, layout, settings, tokens_per_s)
     links = [ln for st in steps for ln in st.links]
     t_frag = max(st.fragment_transfer_s for st in steps)
     window = settings.tau * min(st.step_s for st in steps)
@@ -422,14 +448,14 @@ def predict(shape: ModelShape, layout: Layout, settings: RunSettings) -> Predict
             f"{len(slow)} of {len(links)} link messages add to the step (k down to {min(ln.k for ln in slow)}): "
             "add bandwidth, lower k, or (1F1B) raise extra_in_flight to cover the round trips"
         )
-    if t_frag > window:
+    if settings.tau > 0 and t_frag > window:  # tau = 0: no overlap asked for; sync_wait already counts it
         warnings.append(
             f"fragment transfer {t_frag:.1f} s exceeds the overlap window {window:.1f} s: raise tau or store bandwidth"
         )
     return Prediction(
         tokens_per_s=tokens_per_s,
-        effective_mfu=mfu,
-        tax=1.0 - mfu / settings.ceiling,
+        effective_mfu=fig.effective_mfu,
+        tax=fig.tax,
         usd_per_hour=usd_per_hour,
         usd_per_mtok=usd_per_mtok(usd_per_hour, tokens_per_s),
         n_gpus=sum(h.gpus for h in placed),

@@ -8,6 +8,7 @@ from __future__ import annotations
 import logging
 import threading
 import time
+from collections import Counter
 from dataclasses import dataclass, field, replace
 
 import msgpack
@@ -25,6 +26,8 @@ from coordinator.placement import (
     stage_needs,
 )
 from coordinator.planner import predict
+from coordinator.run_figures import History, sample
+from coordinator.run_views import node_view, run_view
 from protocol import keys
 from protocol.checkpoint import list_rounds
 from protocol.delegation import OperatorTrust, RefusalLog, Untrusted
@@ -66,6 +69,12 @@ class ManagedRun:
     """(replica, stage) -> nodes that served the slot before churn replaced them, oldest first."""
     failures: dict[str, list[tuple[int, str]]] = field(default_factory=dict)
     """peer -> (epoch, reason) of each assignment of this run it reported failed, or was lost in."""
+    prediction: dict | None = None
+    """The planner's prediction for the placement (tokens/s, MFU, tax, $/Mtok), for the dashboard."""
+    cost: CostModel | None = None
+    """The cost model of `record.spec` (cached: the spec changes only when the split or k is fixed)."""
+    final_sample: bool = False
+    """Whether the dashboard's history took its sample of the ended run."""
 
 
 class Coordinator:
@@ -98,6 +107,14 @@ class Coordinator:
         self.runs: dict[str, ManagedRun] = {}
         self.stop_event = threading.Event()
         self._last_publish = 0.0
+        self.dashboard_url = ""
+        """Where this coordinator's dashboard answers (set by `serve`); named in the records it signs."""
+        self.history = History()
+        self.events: Counter[str] = Counter()
+        """What this coordinator did: ticks, tick_failures, leases_taken, leases_lost, placements, rebuilds."""
+        self.view: dict = {"updated": 0.0, "coordinator": identity.peer_id, "runs": {}, "nodes": {}}
+        """A JSON-ready snapshot made at the end of each tick (the dashboard's thread reads only this and
+        `history`, never the tick's own state)."""
 
     # --- views --------------------------------------------------------------------------------------
     def adverts(self) -> dict[str, NodeAdvert]:
@@ -135,12 +152,14 @@ class Coordinator:
                 )
                 if held:
                     log.info("run %s: took the lease (term %d)", rid, held.lease.term)
+                    self.events["leases_taken"] += 1
                     self.runs[rid] = run = ManagedRun(
                         record=replace(
                             rec,
                             term=held.lease.term,
                             coordinator=self.identity.peer_id,
                             certificate=self.certificate,
+                            dashboard=self.dashboard_url,
                         ),
                         lease=held,
                     )
@@ -157,6 +176,7 @@ class Coordinator:
             held = renew(self.store, self.identity, run.lease, self.lease_s)
             if held is None:
                 log.warning("run %s: lost the lease to another coordinator; letting go", rid)
+                self.events["leases_lost"] += 1
                 del self.runs[rid]
                 continue
             run.lease = held
@@ -168,6 +188,33 @@ class Coordinator:
             elif run.record.state == "stopping":
                 self._watch_stop(run, adverts)
         self._publish(force=False)
+        self._observe(records, adverts)
+
+    # --- what the dashboard and /metrics show ---------------------------------------------------------
+    def cost_of(self, run: ManagedRun) -> CostModel:
+        if run.cost is None or run.cost.layers != tuple(b - a for a, b in run.record.spec.layer_ranges()):
+            run.cost = CostModel.from_spec(run.record.spec)
+        return run.cost
+
+    def _observe(self, records: dict[str, RunRecord], adverts: dict[str, NodeAdvert]) -> None:
+        """Sample the runs this coordinator leads, then swap in a new snapshot for the dashboard."""
+        for rid, run in self.runs.items():
+            live = run.record.state in ("running", "stopping")
+            if run.placement is not None and (live or not run.final_sample):
+                run.final_sample = not live  # one more sample once it ended: the nodes' last figures
+                try:
+                    self.history.add(rid, sample(run.record.spec, run.placement, adverts, self.cost_of(run)))
+                except ValueError as e:  # a spec the planner cannot model: no figures, the run goes on
+                    log.debug("run %s: no figures: %s", rid, e)
+        runs = {rid: run_view(rec, None, adverts, self.history) for rid, rec in records.items()}
+        for rid, run in self.runs.items():  # ours: the newest record (we sign it) and the placement
+            runs[rid] = run_view(run.record, run, adverts, self.history)
+        self.view = {
+            "updated": time.time(),
+            "coordinator": self.identity.peer_id,
+            "runs": runs,
+            "nodes": {p: node_view(a) for p, a in sorted(adverts.items())},
+        }
 
     def may_sign_for(self, run_id: str) -> bool:
         """Whether what we sign for `run_id` is trusted now (the same rule the nodes apply to it); when not,
@@ -311,6 +358,7 @@ class Coordinator:
         self._assign(run, adverts, set(run.placement.slots), resume_replicas=resume)
         run.started = time.monotonic()
         self._set_state(run, "running")
+        self.events["placements"] += 1
         self._log_prediction(run, adverts)
 
     def _log_prediction(self, run: ManagedRun, adverts: dict[str, NodeAdvert]) -> None:
@@ -325,6 +373,13 @@ class Coordinator:
         except (ValueError, KeyError) as e:  # an advert gone since placement: nothing to predict from
             log.info("run %s: no prediction: %s", spec.run_id, e)
             return
+        run.prediction = {
+            "tokens_per_s": p.tokens_per_s,
+            "effective_mfu": p.effective_mfu,
+            "tax": p.tax,
+            "usd_per_mtok": p.usd_per_mtok,
+            "warnings": list(p.warnings),
+        }
         log.info(
             "run %s: predicted %.0f tokens/s, MFU %.1f%%, $%.4f/Mtok",
             spec.run_id,
@@ -527,6 +582,7 @@ class Coordinator:
         run.placement = new_pl
         run.epoch += 1
         run.missing_since.clear()
+        self.events["rebuilds"] += 1
         rebuilt = broken | {r for r, _ in holes}
         log.info(
             "run %s: rebuilding replica(s) %s (epoch %d), resuming from the latest consensus checkpoint",
@@ -558,9 +614,11 @@ class Coordinator:
 
     def serve(self) -> None:
         while not self.stop_event.is_set():
+            self.events["ticks"] += 1
             try:
                 self.tick()
             except Exception as e:  # a flaky store or DHT must not take the coordinator down
+                self.events["tick_failures"] += 1
                 log.warning("coordinator tick failed (will retry): %s", e)
             self.stop_event.wait(self.tick_s)
 

@@ -36,6 +36,7 @@ from protocol.cli_errors import (
     run_cli,
 )
 from protocol.identity import Identity, SignatureError
+from protocol.logs import LOG_FORMATS, LOG_LEVELS, setup_logging, version
 from protocol.messages import MAX_PRICE_PER_HOUR
 from protocol.signals import install_stop_signals
 
@@ -45,7 +46,6 @@ NODE_KEY = "~/.crucible/node.key"
 """A joining node's default identity."""
 BOOTSTRAP_KEY = "~/.crucible/bootstrap.key"
 """The bootstrap peer's default identity: its own, so a bootstrap peer and a node can share a host."""
-LOG_LEVELS = ("DEBUG", "INFO", "WARNING", "ERROR")
 _DEVICE = re.compile(r"auto|cpu|cuda(:\d+)?")
 
 
@@ -97,6 +97,9 @@ SETTINGS: tuple[Setting, ...] = (
             "in the file: compile = false", "--no-compile"),
     Setting("node", "log_level", str, "INFO", f"log level: {', '.join(LOG_LEVELS)} (default INFO)",
             "--log-level"),
+    Setting("node", "log_format", str, "json",
+            "log lines as text (default) or json: one object per line (ts, level, logger, msg, pid)",
+            "--log-format", "text|json"),
     Setting("node", "emulate_mbps", float, 20.0,
             "emulate a slow link for tests on one host: pace this node's pipeline sends and bandwidth "
             "probes at this many Mbit/s (default 0: off)", "--emulate-mbps"),
@@ -118,6 +121,10 @@ SETTINGS: tuple[Setting, ...] = (
     Setting("node", "coordinator_lease_s", float, 15.0,
             "lease of the coordinator role, seconds: how soon another candidate takes over (default 15)",
             "--coordinator-lease-s"),
+    Setting("node", "data_root", str, "/srv/corpora",
+            "folder a run's relative train.data and train.tokenizer resolve under, and where corpus shards "
+            "fetched from the store are cached (.crucible-cache); nodes on one host can hold different "
+            "copies (default: the working folder; cache in ~/.crucible/cache)", "--data-root", "PATH"),
     Setting("node", "advert_ttl_s", float, 30.0, "DHT advert lifetime in seconds (default 30)"),
     Setting("node", "poll_s", float, 1.0, "how often to look for an assignment, seconds (default 1)"),
     Setting("store", "endpoint_url", str, "https://ACCOUNT.r2.cloudflarestorage.com",
@@ -131,7 +138,7 @@ SETTINGS: tuple[Setting, ...] = (
     Setting("store", "region", str, "auto", "region name (default auto, as R2 takes it)"),
 )  # fmt: skip
 SECTIONS = ("node", "store")
-NOT_FOR_DAEMON = {("node", "log_level")}
+NOT_FOR_DAEMON = {("node", "log_level"), ("node", "log_format")}
 """Settings the CLI uses itself; the rest become NodeConfig (and its StoreConfig)."""
 
 
@@ -153,6 +160,7 @@ def build_parser() -> ArgumentParser:
         "      --operator-key 12D3KooW... --price-per-hour 1.17",
     )
     _add_debug(ap)  # before the subcommand too: `crucible-node --debug join ...`
+    ap.add_argument("--version", action="version", version=f"%(prog)s {version()}")
     sub = ap.add_subparsers(dest="command", required=True, metavar="{bootstrap,join,identity}")
 
     b = sub.add_parser("bootstrap", help="start the first DHT peer of a new swarm and print its multiaddr")
@@ -164,6 +172,12 @@ def build_parser() -> ArgumentParser:
     b.add_argument("--host", default="127.0.0.1", help="address to listen on (default 127.0.0.1)")
     b.add_argument("--dht-port", default="0", help="DHT (libp2p) TCP port (default: any free port)")
     b.add_argument("--log-level", default="INFO", help=f"{', '.join(LOG_LEVELS)} (default INFO)")
+    b.add_argument(
+        "--log-format",
+        default="text",
+        choices=LOG_FORMATS,
+        help="text (default) or json: one object per line",
+    )
     _add_debug(b)
 
     j = sub.add_parser(
@@ -313,8 +327,12 @@ def _check_settings(st: JoinSettings) -> None:
             raise bad("not one of auto, cpu, cuda, cuda:N")
         if key == "log_level" and v.upper() not in LOG_LEVELS:
             raise bad(f"not one of {', '.join(LOG_LEVELS)}")
+        if key == "log_format" and v not in LOG_FORMATS:
+            raise bad(f"not one of {', '.join(LOG_FORMATS)}")
         if key in ("host", "key_file", "bucket", "region") and not v.strip():
             raise bad("must not be empty")
+        if key == "data_root" and v and not Path(v).expanduser().is_dir():
+            raise bad("is not a folder")
         if key == "operator_key":
             check_peer_id(st.label(section, key), v, st.example(section, key))
         if key == "bootstrap":
@@ -392,12 +410,8 @@ def _identity(label: str, key_file: str) -> Identity:
         raise bad_input(label, key_file, f"cannot read or create the identity file: {e.strerror or e}") from e
 
 
-def _logging(level: str) -> None:
-    logging.basicConfig(
-        level=level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s", stream=sys.stderr
-    )
-    for noisy in ("hivemind", "botocore", "urllib3", "aiohttp.access"):
-        logging.getLogger(noisy).setLevel(logging.WARNING)
+def _logging(level: str, fmt: str = "text") -> None:
+    setup_logging(level, fmt)
 
 
 def _install_signals(on_stop: Any) -> None:
@@ -429,7 +443,7 @@ def cmd_bootstrap(args: argparse.Namespace) -> int:
     key_lock = hold_key_file("--key-file", Path(args.key_file).expanduser(), ident.peer_id)
     check_host("--host", args.host)
     check_ports(args.host, [("--dht-port", port)])
-    _logging(args.log_level)
+    _logging(args.log_level, args.log_format)
     import threading
 
     from protocol.dht_client import DHTClient
@@ -493,7 +507,7 @@ def preflight_join(st: JoinSettings) -> tuple[Identity, IO[str] | None]:
 
 def cmd_join(args: argparse.Namespace) -> int:
     st = join_settings(args)
-    _logging(st.get("node", "log_level", "INFO"))
+    _logging(st.get("node", "log_level", "INFO"), st.get("node", "log_format", "text"))
     ident, key_lock = preflight_join(st)
 
     # the heavy part: torch, hivemind

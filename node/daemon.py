@@ -13,17 +13,17 @@ import logging
 import threading
 import time
 from dataclasses import dataclass, field
-from functools import lru_cache
 from pathlib import Path
 
 import torch
 
 from node.acceptor import Acceptor
 from node.coordinator_child import CoordinatorChild
-from node.data import Corpus
+from node.data import DataError, DataSource
 from node.device import DeviceError, describe, free_memory_bytes, resolve_device, resolve_precision
 from node.health import HealthServer
 from node.link_probe import LinkMeasure, ProbeError, probe_peer
+from node.metrics import NodeMetrics, node_families
 from node.preflight import refuse_if_taken, refuse_live_twin
 from node.probe import device_name, measure_store_mbps, measure_tflops, memory_gb
 from node.transport import LinkError, Shaper, listen
@@ -42,6 +42,7 @@ from protocol.messages import (
     NodeAdvert,
     RunRecord,
 )
+from protocol.metrics import render
 from protocol.schema import ProtocolError, check_range
 from protocol.store import ObjectStore, StoreConfig, StoreError
 
@@ -109,6 +110,10 @@ class NodeConfig:
     coordinator_lease_s: float = 15.0
     """Lease duration of the coordinator role: how long a dead leader holds its runs before another
     candidate takes over."""
+    data_root: str = ""
+    """Folder a run's relative train.data and train.tokenizer resolve under (so one host can hold nodes
+    with different copies), and where shards fetched from the store and token files are cached
+    (`.crucible-cache` in it). Empty = the working folder, the cache in ~/.crucible/cache."""
 
     def __post_init__(self) -> None:
         d = self.device.strip().lower()
@@ -134,6 +139,10 @@ class NodeConfig:
         check_range("probe_peers (--probe-peers)", self.probe_peers, 0, ADVERTISED_PEERS)
         check_range("probe_bytes (--probe-bytes)", self.probe_bytes, 1024, MAX_PROBE_BYTES)
         check_range("coordinator_lease_s (--coordinator-lease-s)", self.coordinator_lease_s, 1, 3600)
+        if self.data_root and not Path(self.data_root).expanduser().is_dir():
+            raise ValueError(
+                f"data_root (--data-root) {self.data_root!r} is not a folder (example: --data-root /srv/corpora)"
+            )
         if self.coordinator_eligible and not self.coordinator_certificate:
             raise ValueError(
                 "coordinator_eligible needs coordinator_certificate: the operator issues one with "
@@ -151,11 +160,6 @@ class NodeConfig:
                 raise ValueError(
                     f"operator_key {self.operator_key!r}: {e} (give the operator's 12D3KooW... peer id)"
                 ) from e
-
-
-@lru_cache(maxsize=2)
-def _corpus(source: str, val_fraction: float) -> Corpus:
-    return Corpus.load(source, val_fraction)
 
 
 def memory_refusal(a: Assignment, device: torch.device, free_bytes: int) -> str | None:
@@ -193,7 +197,8 @@ class NodeDaemon:
         self.refusals = RefusalLog(log)
         self.stop_event = threading.Event()
         self._advert_wake = threading.Event()  # set on state changes: publish now, not at the next refresh
-        self.metrics = WorkerMetrics()
+        self.node_metrics = NodeMetrics()
+        self._metrics = WorkerMetrics()
         self.assignment: Assignment | None = None
         self._stop_reason: str | None = None
         self.coordinator_role: CoordinatorChild | None = None
@@ -204,6 +209,7 @@ class NodeDaemon:
             self.store = ObjectStore(cfg.store) if cfg.store else None
         except StoreError as e:  # e.g. a remote store and no credentials anywhere
             raise ValueError(str(e)) from e
+        self.data = DataSource(cfg.data_root, self.store)  # corpora stay open across assignments
         # ports were checked free by the preflight (node/preflight.py); one taken since is named by its flag
         with contextlib.ExitStack() as undo:  # a start that fails half-way closes what it opened
             if self._device_claim is not None:
@@ -227,7 +233,7 @@ class NodeDaemon:
             refuse_live_twin(self.dht, self.peer_id)  # before our own health server answers for our id
             log.info("node trains on %s", describe(self.device))  # past the checks that refuse a start
             try:
-                self.health = HealthServer(cfg.host, cfg.health_port, self.status)
+                self.health = HealthServer(cfg.host, cfg.health_port, self.status, self.prometheus)
             except RuntimeError as e:
                 refuse_if_taken(e, "--health-port", cfg.host, cfg.health_port)
                 raise
@@ -249,6 +255,38 @@ class NodeDaemon:
     @property
     def peer_id(self) -> str:
         return self.identity.peer_id
+
+    @property
+    def metrics(self) -> WorkerMetrics:
+        """The current assignment's live figures."""
+        return self._metrics
+
+    @metrics.setter
+    def metrics(self, new: WorkerMetrics) -> None:
+        # the old assignment's counts go into the node's running totals: Prometheus counters never go back
+        if new is not self._metrics:
+            self.node_metrics.retire(self._metrics)
+        self._metrics = new
+
+    def prometheus(self) -> bytes:
+        """GET /metrics: node/metrics.py's families, rendered now."""
+        rejected: dict[str, dict[str, int]] = {
+            "dht_record": dict(self.dht.rejected),
+            "signer": dict(self.refusals.by_reason),
+            "pipeline_hello": {"refused": self.acceptor.rejected},
+            "fragment": {
+                "screen": sum(
+                    t.counters["fragments_rejected"] for t in self.node_metrics.totals(self.metrics).values()
+                )
+            },
+        }
+        health = getattr(self, "health", None)
+        if health is not None:
+            rejected["http"] = dict(health.rejected)
+        families = node_families(
+            self.status(), self.metrics, self.node_metrics, store=self.store, rejected=rejected, http=health
+        )
+        return render(families)
 
     # --- advert -----------------------------------------------------------------------------------
     def advert(self) -> NodeAdvert:
@@ -454,7 +492,7 @@ class NodeDaemon:
             identity=self.identity,
             store=self.store,
             acceptor=self.acceptor,
-            corpus_loader=_corpus,
+            data=self.data,
             metrics=self.metrics,
             should_stop=lambda: self._stop_reason,
             device=self.device,
@@ -472,7 +510,9 @@ class NodeDaemon:
                     log.info("run %s replica %d stage %d: stopped by operator", a.run_id, a.replica, a.stage)
                 else:
                     self._worker_failed(a, str(e))
-            except Exception as e:  # anything else (bad data, a malformed checkpoint, NaN weights, a bug)
+            except DataError as e:  # this node's copy of the corpus or tokenizer: refused, said why
+                self._worker_failed(a, f"DataError: {e}")
+            except Exception as e:  # anything else (a malformed checkpoint, NaN weights, a bug)
                 log.exception("worker of run %s crashed", a.run_id)
                 self._worker_failed(a, f"{type(e).__name__}: {e}")
 

@@ -17,7 +17,7 @@ from dataclasses import asdict, dataclass, field
 import torch
 
 from node.acceptor import Acceptor
-from node.data import Corpus
+from node.data import DataSource
 from node.device import describe, resolve_precision
 from node.inner_step import (
     inner_step,
@@ -60,8 +60,12 @@ class WorkerMetrics:
     val_bpb: float | None = None
     val_history: list[tuple[int, float]] = field(default_factory=list)
     tokens_per_s: float = 0.0
+    tokens: int = 0
+    """Tokens this stage has trained on in the assignment (batch x seq_len per inner step)."""
     bytes_pipe_sent: int = 0
     bytes_pipe_recv: int = 0
+    link_bytes: dict[str, list[int]] = field(default_factory=dict)
+    """Pipeline bytes [sent, received] by neighbour peer id."""
     bytes_store_up: int = 0
     bytes_store_down: int = 0
     pipe_wait_s: float = 0.0
@@ -108,7 +112,7 @@ class StageWorker:
         identity: Identity,
         store: ObjectStore,
         acceptor: Acceptor,
-        corpus_loader: Callable[[str, float], Corpus],
+        data: DataSource,
         metrics: WorkerMetrics,
         should_stop: Callable[[], str | None],
         connect_timeout_s: float = 120.0,
@@ -124,7 +128,8 @@ class StageWorker:
         self.a = assignment
         self.spec = assignment.spec
         self.identity, self.store, self.acceptor = identity, store, acceptor
-        self.corpus_loader = corpus_loader
+        self.data = data
+        self._token_bytes: torch.Tensor | None = None  # last stage under a tokenizer: bits per byte
         self.m = metrics
         self.should_stop = should_stop
         self.connect_timeout_s = connect_timeout_s
@@ -238,7 +243,10 @@ class StageWorker:
             log.info("run %s r%d/s%d trains on %s in %s", a.run_id, a.replica, a.stage, m.device, precision)
             codec_in, codec_out = boundary_codecs(module, spec.model, spec.pipeline, ranges, a.stage)
             first = a.stage == 0
-            corpus = self.corpus_loader(spec.train.data, spec.train.val_fraction) if first else None
+            # the first stage reads the corpus (its hash checked), the last counts text bytes per token
+            corpus = self.data.corpus(spec.train, spec.model.vocab) if first else None
+            if a.stage == spec.stages - 1:
+                self._token_bytes = self.data.token_bytes(spec.train, spec.model.vocab)
             val = (
                 corpus.val_batches(spec.train.eval_batches, spec.train.batch_size, spec.model.seq_len)
                 if corpus
@@ -326,6 +334,7 @@ class StageWorker:
                     m.compute_s + stats.compute_s,
                     m.pipe_wait_s + stats.wait_s,
                 )
+                m.tokens += tokens_per_step
                 if stats.loss is not None:
                     m.loss = stats.loss
                 window_steps += 1
@@ -362,7 +371,8 @@ class StageWorker:
 
     def _log_progress(self) -> None:
         m = self.m
-        loss = f"{m.loss / LN2:.3f} bits/byte" if m.loss is not None else "-"
+        unit = "bits/token" if self.spec.train.tokenizer else "bits/byte"
+        loss = f"{m.loss / LN2:.3f} {unit}" if m.loss is not None else "-"
         log.info(
             "run %s r%d/s%d step %d/%d  train %s  %.0f tok/s  pipeline %.1f MB  store %.1f MB  waits: pipe %.1f s, sync %.1f s",
             self.a.run_id,
@@ -379,9 +389,9 @@ class StageWorker:
         )
 
     def _evaluate(self, pipe: PipelineStage, step: int, val: list[torch.Tensor] | None) -> None:
-        loss = pipe.evaluate(step, val, self.spec.train.eval_batches)
-        if loss is not None:
-            bpb = loss / LN2  # byte-level vocabulary: bits per token = bits per byte
+        ev = pipe.evaluate(step, val, self.spec.train.eval_batches, self._token_bytes)
+        if ev is not None:
+            bpb = ev.bits_per_byte  # nats / (ln 2 x text bytes): per byte whatever the tokenizer
             self.m.val_bpb = bpb
             self.m.val_history.append((step, bpb))
             log.info("replica %d step %d: validation %.4f bits/byte", self.a.replica, step, bpb)
@@ -390,6 +400,11 @@ class StageWorker:
         m = self.m
         m.bytes_pipe_sent = sum(link.bytes_sent for link in (self.prev, self.next) if link)
         m.bytes_pipe_recv = sum(link.bytes_recv for link in (self.prev, self.next) if link)
+        m.link_bytes = {
+            ep.peer_id: [link.bytes_sent, link.bytes_recv]
+            for ep, link in ((self.a.prev, self.prev), (self.a.next, self.next))
+            if ep is not None and link is not None
+        }
         m.bytes_store_up, m.bytes_store_down = sync.stats.bytes_up, sync.stats.bytes_down
         m.sync_wait_s = sync.stats.wait_s
         m.fragments_rejected, m.fragments_missing = sync.stats.rejected, sync.stats.missing

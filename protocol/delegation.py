@@ -21,6 +21,7 @@ from __future__ import annotations
 
 import logging
 import time
+from collections import Counter
 from collections.abc import Iterable
 from dataclasses import dataclass
 from datetime import UTC, datetime
@@ -186,10 +187,13 @@ class RefusalLog:
         self.seen: set[tuple[str, str]] = set()
         self.count = 0
         """Refusals noted, repeats included."""
+        self.by_reason: Counter[str] = Counter()
+        """Refusals noted by reason, repeats included (for metrics)."""
 
     def first(self, signer: str, reason: str) -> bool:
         """Whether (signer, reason) is new; remembers it."""
         self.count += 1
+        self.by_reason[reason] += 1
         if (signer, reason) in self.seen:
             return False
         if len(self.seen) >= _MAX_LOGGED:

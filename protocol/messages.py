@@ -177,9 +177,12 @@ class RunRecord:
     certificate: bytes = b""
     """The signer's certificate (a Delegation sealed by the operator's key, protocol/delegation.py) when a
     coordinator key signed this; empty when the operator's key signed it itself."""
+    dashboard: str = ""
+    """URL of the leading coordinator's dashboard (`status` prints it); empty when it serves none."""
 
     def __post_init__(self) -> None:
         check_range("RunRecord.term", self.term, 0, MAX_COUNT)
+        _check_text("RunRecord.dashboard", self.dashboard)
         _check_text("RunRecord.coordinator", self.coordinator)
         _check_text("RunRecord.reason", self.reason)
         check_range("RunRecord.updated", self.updated, 0, MAX_TIME_S)

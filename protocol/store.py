@@ -9,8 +9,10 @@ from __future__ import annotations
 import builtins
 import os
 import threading
+import time
 from collections.abc import Callable
 from dataclasses import dataclass
+from typing import Any
 from urllib.parse import urlsplit
 
 import boto3
@@ -99,6 +101,47 @@ def _credentials(cfg: StoreConfig, session: boto3.session.Session) -> tuple[str 
     )
 
 
+class StoreOps:
+    """Counts and times S3 API calls by operation (GetObject, PutObject, ListObjectsV2, ...) and outcome
+    ("ok", "not_found", "precondition_failed", "error"), from botocore's before-call / after-call events:
+    one count per API call (retries inside a call are botocore's own)."""
+
+    def __init__(self) -> None:
+        self._lock = threading.Lock()
+        self.calls: dict[tuple[str, str], int] = {}
+        """(operation, outcome) -> calls."""
+        self.seconds: dict[str, float] = {}
+        """operation -> seconds spent in its calls, all outcomes."""
+
+    def watch(self, client: Any) -> None:
+        events = client.meta.events
+        events.register("before-call.s3", self._before)
+        events.register("after-call.s3", self._after)
+        events.register("after-call-error.s3", self._failed)
+
+    def snapshot(self) -> tuple[dict[tuple[str, str], int], dict[str, float]]:
+        with self._lock:
+            return dict(self.calls), dict(self.seconds)
+
+    def _before(self, model: Any, context: dict, **_: Any) -> None:
+        context["crucible_t0"], context["crucible_op"] = time.perf_counter(), model.name
+
+    def _after(self, model: Any, context: dict, http_response: Any, **_: Any) -> None:
+        code = int(getattr(http_response, "status_code", 0) or 0)
+        outcome = "ok" if code < 300 else {404: "not_found", 412: "precondition_failed"}.get(code, "error")
+        self._note(model.name, outcome, context)
+
+    def _failed(self, context: dict, **_: Any) -> None:
+        # after-call-error carries no model: _before noted the operation in the request's context
+        self._note(str(context.get("crucible_op", "unknown")), "error", context)
+
+    def _note(self, op: str, outcome: str, context: dict) -> None:
+        dt = time.perf_counter() - context.pop("crucible_t0", time.perf_counter())
+        with self._lock:
+            self.calls[(op, outcome)] = self.calls.get((op, outcome), 0) + 1
+            self.seconds[op] = self.seconds.get(op, 0.0) + dt
+
+
 class ObjectStore:
     """Byte-counting boto3 wrapper; thread-safe (boto3 clients are)."""
 
@@ -123,6 +166,10 @@ class ObjectStore:
         self._lock = threading.Lock()
         self.bytes_up = 0
         self.bytes_down = 0
+        self.ops = StoreOps()
+        """Every S3 API call this client made (multipart parts and pinned ranged GETs included), by
+        operation and outcome, with their latency: counted by botocore's own call events."""
+        self.ops.watch(self.client)
 
     def _count(self, up: int = 0, down: int = 0) -> None:
         with self._lock:

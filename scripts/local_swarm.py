@@ -4,6 +4,7 @@ final report.
 
   crucible-swarm                         # 2 replicas x 2 stages on the Python standard library's source
   crucible-swarm --data ~/corpus --steps 600 --sync sparseloco
+  crucible-swarm --data ~/corpus --tokenizer tokenizer.json --data-in-store   # BPE; shards in the store
   crucible-swarm --steps 60 --H 30 --bandwidth-mbps 20 --delay-ms 5   # WAN-shaped pipeline links
 
 Before launch the planner calibrates on this machine (coordinator/calibrate.py) and prints its prediction;
@@ -13,17 +14,22 @@ progress lines and the report show predicted tokens/s next to measured.
 from __future__ import annotations
 
 import argparse
+import contextlib
 import importlib.util
 import json
+import os
 import signal
+import subprocess
 import sys
 import time
 import tomllib
 import urllib.request
+from dataclasses import dataclass
 from pathlib import Path
 
-from node.corpus_files import DataError, scan_corpus
+from node.corpus_files import CorpusScan, DataError, manifest_of, scan_corpus
 from protocol.cli_errors import UsageError, bad_input, check_file, run_cli
+from protocol.corpus import corpus_sha256, is_store_url
 from scripts.procs import Child, ProcessFailed
 
 NODE_PRICE_PER_HOUR = 0.10
@@ -49,7 +55,6 @@ batch_size = 8
 microbatches = 4
 lr = 3e-3
 warmup_steps = 20
-data = "{data}"
 eval_batches = 4
 
 [sync]
@@ -68,6 +73,9 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     ap = argparse.ArgumentParser(
         prog="crucible-swarm", description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
     )
+    from protocol.logs import version
+
+    ap.add_argument("--version", action="version", version=f"%(prog)s {version()}")
     ap.add_argument("--replicas", type=int, default=2, help="R: pipeline replicas (default 2)")
     ap.add_argument("--stages", type=int, default=2, help="S: stages per replica (default 2)")
     ap.add_argument("--steps", type=int, default=240, help="inner steps per replica (default 240)")
@@ -93,6 +101,18 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     )
     ap.add_argument(
         "--data", default="stdlib", help="corpus: 'stdlib' (default), a text file, a directory or a glob"
+    )
+    ap.add_argument(
+        "--tokenizer",
+        type=Path,
+        help="a `tokenizers` tokenizer.json to train on its tokens instead of bytes (model.vocab is set "
+        "from it; validation still reports bits per byte)",
+    )
+    ap.add_argument(
+        "--data-in-store",
+        action="store_true",
+        help="copy the corpus into the embedded store as shards with a manifest "
+        "(s3://crucible/corpus/<hash>) and have the nodes stream it from there, as a swarm on R2 does",
     )
     ap.add_argument("--run-toml", type=Path, help="use this run spec instead of the generated one")
     ap.add_argument("--run-id", default="", help="run id (default: swarm-<time>)")
@@ -147,20 +167,31 @@ def _int_list(text: str) -> list[int]:
         ) from None
 
 
+def toml_value(v: object) -> str:
+    """`v` as a TOML value: JSON's form, with non-ASCII text kept as it is (TOML has no surrogate-pair
+    escapes) and DEL escaped (TOML refuses it raw); a path with a space or a double quote stays exact."""
+    return json.dumps(v, ensure_ascii=False).replace("\x7f", "\\u007f")
+
+
 def set_pipeline(run_toml: str, **values: object) -> str:
-    """`run_toml` with these [pipeline] keys set (replaced if present, the section added if missing);
+    """`run_toml` with these [pipeline] keys set (see set_keys)."""
+    return set_keys(run_toml, "pipeline", **values)
+
+
+def set_keys(run_toml: str, section: str, **values: object) -> str:
+    """`run_toml` with these keys of [section] set (replaced if present, the section added if missing);
     None values are left alone."""
     values = {k: v for k, v in values.items() if v is not None}
     if not values:
         return run_toml
     lines = run_toml.splitlines()
-    head = next((i for i, ln in enumerate(lines) if ln.strip() == "[pipeline]"), None)
+    head = next((i for i, ln in enumerate(lines) if ln.strip() == f"[{section}]"), None)
     if head is None:
-        lines += ["", "[pipeline]"]
+        lines += ["", f"[{section}]"]
         head = len(lines) - 1
     end = next((i for i in range(head + 1, len(lines)) if lines[i].lstrip().startswith("[")), len(lines))
     body = [ln for ln in lines[head + 1 : end] if ln.split("=")[0].strip() not in values]
-    new = [f"{k} = {json.dumps(v)}" for k, v in values.items()]
+    new = [f"{k} = {toml_value(v)}" for k, v in values.items()]
     out = "\n".join(lines[: head + 1] + new + body + lines[end:]) + "\n"
     tomllib.loads(out)  # a bad value must fail here, not in every node
     return out
@@ -195,6 +226,10 @@ class Swarm:
         coordinator: start a standalone coordinator (False: coordinator-eligible nodes lead)."""
         self.node_args = node_args or {}
         self.with_coordinator = coordinator
+        self.dashboard = ""
+        """URL of the coordinator's dashboard (its ready line names it)."""
+        self.one_shots: list[Child] = []
+        """Commands that end by themselves (launch): waited for, not signalled, by `stop`."""
         self.device = device
         self.out = out
         self.out.mkdir(parents=True, exist_ok=True)
@@ -250,7 +285,7 @@ class Swarm:
         for i in range(self.n_nodes):
             self.add_node(i)
         if self.with_coordinator:
-            self.coordinator.wait_for(r"crucible-coordinator ready", ready_timeout_s)
+            self.dashboard = self.coordinator.wait_for(r"dashboard=(\S+)", ready_timeout_s).group(1)
         for node in self.nodes:
             self.health.append(node.wait_for(r"health=(\S+)/health", ready_timeout_s).group(1))
         self.write_pids()
@@ -300,7 +335,7 @@ class Swarm:
             self._name(f"coordinator-{self.restarts}"),
             ["-m", "coordinator.cli", "serve", *self.swarm_flags(), *self.operator_flags()],
         )
-        self.coordinator.wait_for(r"crucible-coordinator ready", ready_timeout_s)
+        self.dashboard = self.coordinator.wait_for(r"dashboard=(\S+)", ready_timeout_s).group(1)
         self.write_pids()
         return self.coordinator
 
@@ -321,18 +356,25 @@ class Swarm:
             ["-m", "coordinator.cli", "launch", str(run_toml), *self.swarm_flags(), *self.operator_flags()],
         )
         c.wait_for(r"launched run", 120)
+        self.one_shots.append(c)  # it exits by itself once its DHT client shut down: `stop` lets it
 
     def statuses(self) -> list[dict | None]:
         return [_get_status(f"{h}/status") for h in self.health]
 
     def stop(self) -> dict[str, int | None]:
+        for c in self.one_shots:  # a launch still shutting its DHT client down exits 0 by itself
+            with contextlib.suppress(subprocess.TimeoutExpired):
+                c.proc.wait(30)
         codes = {}
         for c in reversed(self.children):
             codes[c.name] = c.stop()
         return codes
 
 
-def progress_line(statuses: list[dict | None], elapsed: float, predicted: float | None = None) -> str:
+def progress_line(
+    statuses: list[dict | None], elapsed: float, predicted: float | None = None, train_unit: str = "bits/byte"
+) -> str:
+    """One progress line; train_unit: "bits/token" under a tokenizer (validation is bits/byte always)."""
     ms = [s["metrics"] for s in statuses if s]
     if not ms:
         return f"[{elapsed:5.0f}s] waiting for nodes"
@@ -348,7 +390,7 @@ def progress_line(statuses: list[dict | None], elapsed: float, predicted: float 
     val = f"{sum(vals) / len(vals):.3f}" if vals else "-"
     pred = f" (predicted {predicted:5.0f})" if predicted else ""
     return (
-        f"[{elapsed:5.0f}s] step {step:>9}  train {loss:>6} bits/byte  val {val:>6} bits/byte  "
+        f"[{elapsed:5.0f}s] step {step:>9}  train {loss:>6} {train_unit}  val {val:>6} bits/byte  "
         f"{tok:7.0f} tok/s{pred}  pipeline {_fmt_bytes(pipe):>9}  store {_fmt_bytes(store):>9}"
     )
 
@@ -545,9 +587,48 @@ SETTLE_AFTER_FAULT_S = 35.0
 needs its churn grace (2 x 10 s) and a placement to rebuild a broken replica."""
 
 
-def preflight(args: argparse.Namespace) -> tuple[str, int, int, str]:
-    """Check every input before a process starts: (run_id, replicas, stages, data). UsageError names the
-    flag and the value."""
+@dataclass
+class Prepared:
+    """What preflight found: the run, its spec's text (the corpus's hashes filled in) and, with
+    --data-in-store, the local corpus to copy into the store once it runs."""
+
+    run_id: str
+    replicas: int
+    stages: int
+    run_toml: str
+    upload: CorpusScan | None = None
+    data_url: str = ""
+    tokenized: bool = False
+
+
+STORE_CORPUS = "s3://crucible/corpus/{sha16}"
+"""Where --data-in-store puts the corpus in the embedded store."""
+
+
+def generated_run(args: argparse.Namespace, run_id: str) -> str:
+    """The run.toml crucible-swarm writes from its flags (the [train] data keys are set by preflight)."""
+    return set_pipeline(
+        DEFAULT_RUN.format(
+            run_id=run_id,
+            replicas=args.replicas,
+            stages=args.stages,
+            steps=args.steps,
+            H=args.H,
+            sync=args.sync,
+            beta=args.beta,
+            eval_every=max(1, round(args.eval_every_steps / args.H)),
+        ),
+        # subspace-compressed links by default: k = d/8 on every boundary (DESIGN section 4)
+        link_k=args.link_k if args.link_k is not None else [256 // 8] * (args.stages - 1),
+        bandwidth_mbps=args.bandwidth_mbps,
+        delay_ms=args.delay_ms,
+    )
+
+
+def preflight(args: argparse.Namespace) -> Prepared:
+    """Check every input before a process starts, hash the corpus (and the tokenizer) and put the hashes
+    in the spec, so every stage-0 node checks that it trains on the same bytes. UsageError names the flag
+    and the value."""
     for flag, value, low in (
         ("--replicas", args.replicas, 1),
         ("--stages", args.stages, 1),
@@ -565,24 +646,74 @@ def preflight(args: argparse.Namespace) -> tuple[str, int, int, str]:
             "crucible-swarm runs an embedded S3 store (moto), which is not installed: "
             "`bash scripts/setup.sh` installs it, or pip install -e '.[swarm]'"
         )
-    if args.run_toml:
-        from protocol.runspec import load_run_spec
+    from protocol.runspec import load_run_spec
 
+    if args.run_toml:
         check_file("--run-toml", args.run_toml, "run spec")
         try:
             spec = load_run_spec(args.run_toml)
         except (ValueError, OSError) as e:
             raise bad_input("--run-toml", str(args.run_toml), str(e)) from e
-        run_id, replicas, stages, data = spec.run_id, spec.replicas, spec.stages, spec.train.data
+        run_id, replicas, stages = spec.run_id, spec.replicas, spec.stages
+        text, data, tokenizer = args.run_toml.read_text(), spec.train.data, spec.train.tokenizer
+        data_flag, tok_flag = f"[train] data in {args.run_toml}", f"[train] tokenizer in {args.run_toml}"
     else:
+        spec = None
         run_id = args.run_id or time.strftime("swarm-%Y%m%d-%H%M%S")
-        replicas, stages, data = args.replicas, args.stages, args.data
+        replicas, stages = args.replicas, args.stages
+        text, data = generated_run(args, run_id), args.data
+        tokenizer = str(args.tokenizer) if args.tokenizer else ""
+        data_flag, tok_flag = "--data", "--tokenizer"
+    if is_store_url(data):
+        raise bad_input(
+            data_flag,
+            data,
+            "the embedded store starts empty; give the local corpus and --data-in-store (it is copied "
+            "to s3://crucible/corpus/<hash> and streamed from there)",
+            "--data ~/corpus --data-in-store",
+        )
+    local = data if data == "stdlib" else os.path.abspath(os.path.expanduser(data))
     try:
-        scan = scan_corpus(data)
+        scan = scan_corpus(local)
+        sha = corpus_sha256(manifest_of(scan))
     except DataError as e:
         raise UsageError(str(e)) from e
-    print(f"crucible-swarm: data {data}: {scan.summary()}", flush=True)
-    return run_id, replicas, stages, data
+    if spec is not None and spec.train.data_sha256 and spec.train.data_sha256 != sha:
+        raise bad_input(
+            data_flag,
+            data,
+            f"its content hash is sha256 {sha}, the spec's data_sha256 says {spec.train.data_sha256}",
+        )
+    train: dict[str, object] = {"data": local, "data_sha256": sha}
+    data_url = ""
+    if args.data_in_store:
+        data_url = STORE_CORPUS.format(sha16=sha[:16])
+        train["data"] = data_url
+    vocab = None
+    if tokenizer:
+        from node.tokenizer import parse_tokenizer
+
+        path = os.path.abspath(os.path.expanduser(tokenizer))
+        try:
+            tok = parse_tokenizer(Path(path).read_bytes(), path)
+        except (OSError, DataError) as e:
+            raise bad_input(tok_flag, tokenizer, str(getattr(e, "strerror", None) or e)) from e
+        if spec is not None and spec.model.vocab != tok.vocab:
+            raise bad_input(
+                f"[model] vocab in {args.run_toml}",
+                spec.model.vocab,
+                f"the tokenizer {tokenizer} has {tok.vocab} tokens",
+                f"vocab = {tok.vocab}",
+            )
+        train.update(tokenizer=path, tokenizer_sha256=tok.sha256)
+        vocab = tok.vocab
+    text = set_keys(text, "train", **train)
+    if spec is None and vocab is not None:
+        text = set_keys(text, "model", vocab=vocab)
+    tokens = f", tokenizer {tokenizer} ({vocab} tokens)" if tokenizer else ""
+    where = f", copied to {data_url}" if data_url else ""
+    print(f"crucible-swarm: data {data}: {scan.summary()}, sha256 {sha}{tokens}{where}", flush=True)
+    return Prepared(run_id, replicas, stages, text, scan if data_url else None, data_url, bool(tokenizer))
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -591,32 +722,12 @@ def main(argv: list[str] | None = None) -> int:
 
 def _main(argv: list[str] | None) -> int:
     args = parse_args(argv)
-    run_id, replicas, stages, data = preflight(args)
+    prep = preflight(args)
+    run_id, replicas, stages = prep.run_id, prep.replicas, prep.stages
     out = args.out or Path("runs") / run_id
-    if args.run_toml:
-        run_toml = args.run_toml
-    else:
-        out.mkdir(parents=True, exist_ok=True)
-        run_toml = out / "run.toml"
-        run_toml.write_text(
-            set_pipeline(
-                DEFAULT_RUN.format(
-                    run_id=run_id,
-                    replicas=replicas,
-                    stages=stages,
-                    steps=args.steps,
-                    H=args.H,
-                    sync=args.sync,
-                    data=data,
-                    beta=args.beta,
-                    eval_every=max(1, round(args.eval_every_steps / args.H)),
-                ),
-                # subspace-compressed links by default: k = d/8 on every boundary (DESIGN section 4)
-                link_k=args.link_k if args.link_k is not None else [256 // 8] * (stages - 1),
-                bandwidth_mbps=args.bandwidth_mbps,
-                delay_ms=args.delay_ms,
-            )
-        )
+    out.mkdir(parents=True, exist_ok=True)
+    run_toml = out / "run.toml"  # (for --run-toml, its copy with the corpus's hashes)
+    run_toml.write_text(prep.run_toml)
     n = replicas * stages
     spares = f" + {args.spares} spare node(s)" if args.spares else ""
     print(
@@ -630,8 +741,15 @@ def _main(argv: list[str] | None) -> int:
     faults: list[dict] = []
     try:
         swarm.start()
+        if prep.upload is not None:
+            from node.corpus_store import publish_corpus
+            from protocol.store import ObjectStore, StoreConfig
+
+            publish_corpus(ObjectStore(StoreConfig(endpoint_url=swarm.store_url)), prep.upload, prep.data_url)
+            print(f"  corpus     {prep.data_url} ({prep.upload.summary()})", flush=True)
         print(
-            f"  store      {swarm.store_url}\n  bootstrap  {swarm.bootstrap}\n  operator   {swarm.operator.peer_id}",
+            f"  store      {swarm.store_url}\n  bootstrap  {swarm.bootstrap}\n  operator   {swarm.operator.peer_id}\n"
+            f"  dashboard  {swarm.dashboard}  (live plots; Prometheus at {swarm.dashboard}metrics)",
             flush=True,
         )
         prediction = None
@@ -656,7 +774,8 @@ def _main(argv: list[str] | None) -> int:
             if clock.first_seen and not all(m["state"] == "done" for m in ms):
                 cpu.sample()  # from the first trained step to the last poll before every node is done
             if now - last_print >= 10:
-                print(progress_line(sts, now - t0, predicted), flush=True)
+                unit = "bits/token" if prep.tokenized else "bits/byte"
+                print(progress_line(sts, now - t0, predicted, unit), flush=True)
                 last_print = now
             faults += supervise(swarm, now - t0)
             faults += reported_failures(swarm, sts, faults, run_id, now - t0)

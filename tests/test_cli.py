@@ -25,6 +25,8 @@ from scripts.procs import Child
 ROOT = Path(__file__).resolve().parent.parent
 OPERATOR = EXAMPLE_PEER_ID
 ERROR_WITHIN_S = 10.0
+TWIN_WITHIN_S = 25.0
+"""A refusal that needs the DHT (a live twin elsewhere): joining it takes seconds more on a loaded host."""
 pytestmark = pytest.mark.timeout(120)
 
 
@@ -78,7 +80,7 @@ def node(
     return subprocess.CompletedProcess(args, p.returncode, out, err), took
 
 
-def refused(args: list[str], home: Path, *named: str) -> str:
+def refused(args: list[str], home: Path, *named: str, within_s: float = ERROR_WITHIN_S) -> str:
     """Run `crucible-node ARGS`; assert exit 2, one line on stderr naming each of `named`, in time."""
     r, took = node(args, home)
     assert r.returncode == 2, (r.returncode, r.stderr)
@@ -89,7 +91,7 @@ def refused(args: list[str], home: Path, *named: str) -> str:
     assert line.startswith("crucible-node: error: "), line
     for name in named:
         assert name in line, (name, line)
-    assert took < ERROR_WITHIN_S, f"{took:.1f} s to: {line}"
+    assert took < within_s, f"{took:.1f} s to: {line}"
     return line
 
 
@@ -280,7 +282,7 @@ def test_flags_override_the_file_and_every_flag_has_a_key(tmp_path: Path) -> Non
     # the table and the daemon's config agree: no NodeConfig field without a key, no key without a field
     import dataclasses
 
-    node_keys = {s.key for s in SETTINGS if s.section == "node"} - {"log_level"}
+    node_keys = {s.key for s in SETTINGS if s.section == "node"} - {"log_level", "log_format"}
     assert node_keys == {f.name for f in dataclasses.fields(NodeConfig)} - {"store"}
     assert {s.key for s in SETTINGS if s.section == "store"} == {
         f.name for f in dataclasses.fields(StoreConfig)
@@ -335,7 +337,15 @@ def test_a_second_process_with_a_live_peer_id_refuses_and_a_restart_works(tmp_pa
         key_copy = tmp_path / "copy.key"
         shutil.copy(keys / "node.key", key_copy)
         copy_flags = ["join", "--config", cfg, "--key-file", str(key_copy)]
-        refused(copy_flags, home, "another crucible-node with peer id", peer_id, health, "--key-file")
+        refused(
+            copy_flags,
+            home,
+            "another crucible-node with peer id",
+            peer_id,
+            health,
+            "--key-file",
+            within_s=TWIN_WITHIN_S,
+        )
         assert first.alive
         refused([*copy_flags, "--store-bucket", "no-such-bucket"], home, "--store-bucket", "no such bucket")
 

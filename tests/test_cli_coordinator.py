@@ -276,3 +276,47 @@ def test_stop_needs_no_bootstrap(tmp_path: Path, moto_store: str) -> None:
     assert crucible(tmp_path, "init").returncode == 0
     r = crucible(tmp_path, "stop", "some-run", "--store-endpoint", moto_store)
     assert r.returncode == 0 and "stop requested for run some-run" in r.stdout, r.stderr
+
+
+def test_every_cli_has_version_and_json_logs_are_one_object_per_line() -> None:
+    import io
+    import json
+    import logging
+
+    from protocol.logs import JsonFormatter, setup_logging
+
+    for module, prog in (
+        ("coordinator.cli", "crucible-coordinator"),
+        ("node.cli", "crucible-node"),
+        ("scripts.local_swarm", "crucible-swarm"),
+    ):
+        r = subprocess.run(
+            [sys.executable, "-m", module, "--version"], capture_output=True, text=True, timeout=60
+        )
+        assert r.returncode == 0 and re.fullmatch(rf"{prog} \d+\.\d+\.\d+\S*\n", r.stdout), (
+            r.stdout,
+            r.stderr,
+        )
+    out = io.StringIO()
+    handler = logging.StreamHandler(out)
+    handler.setFormatter(JsonFormatter())
+    log = logging.getLogger("crucible.test.json")
+    log.addHandler(handler)
+    log.propagate = False
+    try:
+        log.warning("run %s: %d nodes", 'a b\n"c"', 4)
+        try:
+            raise ValueError("boom")
+        except ValueError:
+            log.exception("failed")
+    finally:
+        log.removeHandler(handler)
+    first, second = (json.loads(line) for line in out.getvalue().splitlines())
+    assert (
+        first["msg"] == 'run a b\n"c": 4 nodes'
+        and first["level"] == "WARNING"
+        and first["logger"] == log.name
+    )
+    assert second["exc"].startswith("Traceback") and "ValueError: boom" in second["exc"]
+    with pytest.raises(ValueError, match="--log-format json"):
+        setup_logging("INFO", "yaml")

@@ -32,6 +32,7 @@ from protocol.sparseloco_format import ratio
 from protocol.store import ObjectStore, StoreConfig
 from scripts.local_swarm import Swarm
 from tests.fragment_faults import corrupt
+from tests.observability import bad_requests_get_4xx, dashboard_shows_run, http_status, scrape
 from tests.test_export import hf_logits, pipeline_logits, sample_tokens
 
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(600)]
@@ -209,6 +210,110 @@ def test_two_outer_rounds_identical_consensus(
 
     out = wait_until(cli_status, 60, "`crucible-coordinator status` to show swarm-a done", poll_s=2)
     assert out.count("swarm-a") >= 5  # the run line and its 4 nodes
+
+
+def test_metrics_dashboard_and_bad_requests(swarm: Swarm, tmp_path: Path) -> None:
+    """Issue 14 acceptance 1-3: /metrics of a node and of the coordinator parse with prometheus_client and
+    carry the figures with units in their names; the dashboard, rendered by headless Chromium, shows the
+    run, its loss plot and tokens/s; bad requests to every endpoint get a 4xx with a message."""
+    if not any(m["run_id"] == "swarm-a" for m in run_metrics(swarm, "swarm-a")):  # run alone: train one
+        toml = tmp_path / "run.toml"
+        toml.write_text(RUN_TOML.format(run_id="swarm-a", steps=10, H=5, timeout=60))
+        swarm.launch(toml)
+        wait_until(
+            lambda: len(m := run_metrics(swarm, "swarm-a")) == 4 and all(x["state"] == "done" for x in m),
+            300,
+            "4 nodes to finish run swarm-a",
+        )
+    labels = {"run": "swarm-a"}
+    nodes = [scrape(f"{h}/metrics") for h in swarm.health]
+    for sampled in nodes:
+        for name in (
+            "crucible_tokens_total",
+            "crucible_compute_seconds_total",
+            "crucible_link_stall_seconds_total",
+            "crucible_fragment_wait_seconds_total",
+            "crucible_outer_rounds_total",
+        ):
+            mine = [v for lab, v in sampled[name] if lab.items() >= labels.items()]
+            assert mine and all(set(lab) >= {"run", "replica", "stage"} for lab, _ in sampled[name]), name
+        assert sum(v for lab, v in sampled["crucible_tokens_total"] if lab["run"] == "swarm-a") > 0
+        assert any(v > 0 for _, v in sampled["crucible_outer_rounds_total"])
+        links = sampled["crucible_link_bytes_total"]  # by neighbour peer and direction
+        assert {lab["direction"] for lab, _ in links} == {"sent", "received"} and all(v > 0 for _, v in links)
+        assert all(lab["peer"].startswith("12D3KooW") for lab, _ in links)
+        ops = {lab["operation"]: v for lab, v in sampled["crucible_store_request_seconds_count"]}
+        assert ops.get("PutObject", 0) > 0 and ops.get("GetObject", 0) > 0, ops
+        assert all(v >= 0 for _, v in sampled["crucible_store_request_seconds_sum"])
+        assert "crucible_store_bytes_total" in sampled and "crucible_rejected_inputs_total" in sampled
+        assert {lab["outcome"] for lab, _ in sampled["crucible_fragments_total"]} >= {"rejected", "missing"}
+        assert (
+            sampled["crucible_node_peak_flops"]
+            and sampled["crucible_store_upload_bandwidth_bytes_per_second"]
+        )
+    # the last stages report the loss
+    assert any("crucible_loss" in n and n["crucible_loss"] for n in nodes)
+    coord = scrape(f"{swarm.dashboard}metrics")
+    for name in (
+        "crucible_run_step",
+        "crucible_run_tokens_per_second",
+        "crucible_run_effective_mfu_ratio",
+        "crucible_run_low_bandwidth_tax_ratio",
+        "crucible_run_loss",
+        "crucible_run_pipeline_bytes",
+        "crucible_run_store_bytes",
+    ):
+        assert any(lab == labels for lab, _ in coord.get(name, [])), f"{name} missing for swarm-a"
+    assert any(
+        lab["event"] == "placements" and v >= 1 for lab, v in coord["crucible_coordinator_events_total"]
+    )
+    assert coord["crucible_store_request_seconds_count"] and coord["crucible_nodes"]
+
+    with urllib.request.urlopen(f"{swarm.dashboard}api/runs/swarm-a/history", timeout=20) as r:
+        samples = json.load(r)["samples"]
+    assert max(x["tokens_per_s"] for x in samples) > 0 and max(x["effective_mfu"] for x in samples) > 0
+    shot = dashboard_shows_run(swarm.dashboard, "swarm-a")
+    print(f"dashboard screenshot: {shot}")
+
+    bad_requests_get_4xx(
+        swarm.dashboard,
+        [
+            ("GET", "/api/runs/no-such-run", 404),
+            ("GET", "/api/runs/no-such-run/history", 404),
+            ("GET", "/api/runs/swarm-a/history?since=yesterday", 400),
+            ("GET", "/api/runs/swarm-a/history?since=nan", 400),
+            ("GET", "/api/runs/swarm-a/history?limit=0", 400),
+            ("GET", "/api/runs/swarm-a/history?limit=ten", 400),
+            ("GET", "/api/runs/swarm-a/bogus", 404),
+            ("GET", "/api/runs/swarm-a?x=1", 400),
+            ("GET", "/api/runs?verbose=1", 400),
+            ("GET", "/api/nodes?all", 400),
+            ("GET", "/?run=no-such-run", 404),
+            ("GET", "/?colour=red", 400),
+            ("GET", "/metrics?name=x", 400),
+            ("GET", "/nope", 404),
+            ("GET", "/api/runs/%ZZ", 404),
+            ("POST", "/api/runs", 405),
+            ("DELETE", "/", 405),
+        ],
+    )
+    bad_requests_get_4xx(
+        swarm.health[0],
+        [
+            ("GET", "/metrics?x=1", 400),
+            ("GET", "/status?verbose", 400),
+            ("GET", "/health?probe=1", 400),
+            ("GET", "/nope", 404),
+            ("PUT", "/status", 405),
+        ],
+    )
+    # the good requests still answer
+    for url in (
+        f"{swarm.dashboard}api/runs",
+        f"{swarm.dashboard}api/runs/swarm-a/history?limit=5",
+        f"{swarm.health[0]}/health",
+    ):
+        assert http_status(url)[0] == 200, url
 
 
 def test_two_runs_at_once_share_the_swarm_and_nothing_else(swarm: Swarm, tmp_path: Path) -> None:

@@ -1,0 +1,128 @@
+"""What a running run is doing now, from its nodes' adverts, and its recent history (for the dashboard and
+the coordinator's /metrics).
+
+    tokens/s   = sum over training replicas of their stages' measured tokens/s (every stage of a replica
+                 trains on the same tokens; each measures over its own >= 2 s window, so the newest-measured,
+                 the largest, stands for the replica)   # replicas never wait on each other
+    loss       = mean over replicas of the last stage's training loss (nats/token)
+    MFU, tax, $/Mtok: the planner's definitions (coordinator/planner.py `figures`) at the measured tokens/s,
+                      over the placed nodes as placement sees them (one cost model)
+"""
+
+from __future__ import annotations
+
+import math
+import threading
+import time
+from collections import deque
+from collections.abc import Mapping
+from dataclasses import asdict, dataclass
+
+from coordinator.placement import CostModel, Placement, placement_layout
+from coordinator.planner import figures
+from protocol.messages import NodeAdvert
+from protocol.runspec import RunSpec
+
+HISTORY_SAMPLES = 3600
+"""Samples kept per run (one per SAMPLE_EVERY_S: an hour at 1 s)."""
+SAMPLE_EVERY_S = 1.0
+
+
+@dataclass(frozen=True)
+class Sample:
+    t: float
+    """Unix time."""
+    step: int
+    loss: float | None
+    """Mean training loss of the replicas' last stages, nats per token."""
+    val_bpb: float | None
+    tokens_per_s: float
+    effective_mfu: float
+    tax: float
+    usd_per_mtok: float | None
+    bytes_pipe: int
+    """Pipeline bytes sent + received by the run's nodes so far (their current assignments)."""
+    bytes_store: int
+    """Object-store bytes up + down by the run's nodes so far."""
+    nodes_training: int
+
+    def as_dict(self) -> dict:
+        return {
+            k: (None if isinstance(v, float) and not math.isfinite(v) else v) for k, v in asdict(self).items()
+        }
+
+
+def _mean(xs: list[float]) -> float | None:
+    return sum(xs) / len(xs) if xs else None
+
+
+def sample(spec: RunSpec, placement: Placement, adverts: Mapping[str, NodeAdvert], cost: CostModel) -> Sample:
+    """The run's figures now (nodes whose advert is missing or for another run count as not training)."""
+    rid, S = spec.run_id, spec.stages
+    mine = {
+        slot: a
+        for slot, peer in placement.slots.items()
+        if (a := adverts.get(peer)) is not None
+        and a.run_id == rid
+        and a.replica == slot[0]
+        and a.stage == slot[1]
+    }
+    replicas = sorted({r for r, _ in placement.slots})
+    tps = 0.0
+    losses, vals = [], []
+    for r in replicas:
+        stages = [mine.get((r, s)) for s in range(S)]
+        if any(a is not None and a.state == "training" for a in stages):
+            tps += max(a.tokens_per_s for a in stages if a is not None)
+        last = stages[-1]
+        if last is not None and last.loss is not None:
+            losses.append(last.loss)
+        if last is not None and last.val_bpb is not None:
+            vals.append(last.val_bpb)
+    try:
+        fig = figures(cost.shape, placement_layout(placement, adverts, cost), cost.settings, tps)
+        mfu, tax, usd = fig.effective_mfu, fig.tax, fig.usd_per_mtok
+    except ValueError:  # a placed node's advert is gone (churn): no peak to divide by this time
+        mfu, tax, usd = 0.0, 1.0, None
+    return Sample(
+        t=time.time(),
+        step=max((a.step for a in mine.values()), default=0),
+        loss=_mean(losses),
+        val_bpb=_mean(vals),
+        tokens_per_s=tps,
+        effective_mfu=mfu,
+        tax=tax,
+        usd_per_mtok=usd,
+        bytes_pipe=sum(a.bytes_pipe for a in mine.values()),
+        bytes_store=sum(a.bytes_store for a in mine.values()),
+        nodes_training=sum(a.state == "training" for a in mine.values()),
+    )
+
+
+class History:
+    """Recent samples per run, bounded; thread-safe (the tick writes, the dashboard's thread reads)."""
+
+    def __init__(self, maxlen: int = HISTORY_SAMPLES, every_s: float = SAMPLE_EVERY_S) -> None:
+        self._lock = threading.Lock()
+        self._runs: dict[str, deque[Sample]] = {}
+        self.maxlen, self.every_s = maxlen, every_s
+
+    def add(self, run_id: str, s: Sample) -> None:
+        with self._lock:
+            q = self._runs.setdefault(run_id, deque(maxlen=self.maxlen))
+            if q and s.t - q[-1].t < self.every_s:
+                q[-1] = s  # the newest figures, at most one sample per every_s
+            else:
+                q.append(s)
+
+    def samples(self, run_id: str, since: float = 0.0) -> list[Sample]:
+        with self._lock:
+            return [s for s in self._runs.get(run_id, ()) if s.t > since]
+
+    def latest(self, run_id: str) -> Sample | None:
+        with self._lock:
+            q = self._runs.get(run_id)
+            return q[-1] if q else None
+
+
+__all__ = ["HISTORY_SAMPLES", "History", "Sample", "sample"]

@@ -1,0 +1,185 @@
+"""The node's Prometheus metrics (GET /metrics on the health port), rendered at scrape time.
+
+Training figures carry the labels run, replica and stage; link figures add the neighbour's peer id. A
+node's WorkerMetrics start at zero with each assignment, while a Prometheus counter must only grow for a
+given label set: `NodeMetrics.retire` adds a finished assignment's counts to running totals, and a
+scrape reports totals + the live assignment.
+"""
+
+from __future__ import annotations
+
+import threading
+from collections import Counter
+from collections.abc import Callable, Iterable
+from dataclasses import dataclass, field
+
+from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
+
+from node.worker import WorkerMetrics
+from protocol.metrics import gauge, http_families, rejected_family, store_families
+
+Labels = tuple[str, str, str]
+"""(run, replica, stage) as label values."""
+
+_COUNTERS: dict[str, tuple[str, str]] = {
+    # WorkerMetrics field -> (metric name without _total, help)
+    "tokens": ("crucible_tokens", "tokens this stage trained on"),
+    "compute_s": ("crucible_compute_seconds", "seconds of forward/backward compute"),
+    "pipe_wait_s": ("crucible_link_stall_seconds", "seconds the stage waited on its pipeline links"),
+    "sync_wait_s": ("crucible_fragment_wait_seconds", "seconds the stage waited on outer-sync fragments"),
+    "rounds": ("crucible_outer_rounds", "outer rounds completed"),
+}
+_FRAGMENT_OUTCOMES = {
+    "fragments_rejected": "rejected",
+    "fragments_missing": "missing",
+    "fragments_not_uploaded": "not_uploaded",
+}
+
+
+def _labels(m: WorkerMetrics) -> Labels:
+    return (m.run_id, str(m.replica), str(m.stage))
+
+
+@dataclass
+class _Totals:
+    counters: Counter[str] = field(default_factory=Counter)
+    link_bytes: Counter[tuple[str, str]] = field(default_factory=Counter)
+    """(peer, direction) -> bytes."""
+
+
+def _counts(m: WorkerMetrics) -> _Totals:
+    t = _Totals()
+    for name in (*_COUNTERS, *_FRAGMENT_OUTCOMES):
+        t.counters[name] = getattr(m, name)
+    for peer, (sent, recv) in m.link_bytes.items():
+        t.link_bytes[(peer, "sent")] += sent
+        t.link_bytes[(peer, "received")] += recv
+    return t
+
+
+class NodeMetrics:
+    """Counters over the node's life, by (run, replica, stage); the node calls `retire` when it drops
+    an assignment's WorkerMetrics for a new one."""
+
+    def __init__(self) -> None:
+        self._lock = threading.Lock()
+        self._retired: dict[Labels, _Totals] = {}
+
+    def retire(self, m: WorkerMetrics) -> None:
+        if not m.run_id:
+            return
+        done = _counts(m)
+        with self._lock:
+            t = self._retired.setdefault(_labels(m), _Totals())
+            t.counters.update(done.counters)
+            t.link_bytes.update(done.link_bytes)
+
+    def totals(self, live: WorkerMetrics) -> dict[Labels, _Totals]:
+        with self._lock:
+            out = {k: _Totals(Counter(v.counters), Counter(v.link_bytes)) for k, v in self._retired.items()}
+        if live.run_id:
+            now = _counts(live)
+            t = out.setdefault(_labels(live), _Totals())
+            t.counters.update(now.counters)
+            t.link_bytes.update(now.link_bytes)
+        return out
+
+
+def node_families(
+    status: dict,
+    live: WorkerMetrics,
+    node_metrics: NodeMetrics,
+    *,
+    store: object | None,
+    rejected: dict[str, dict[str, int]],
+    http: object | None,
+) -> Callable[[], Iterable[Metric]]:
+    """The families of one scrape (status: the node's /status dict)."""
+
+    def families() -> Iterable[Metric]:
+        yield gauge(
+            "crucible_node_info",
+            "this node: peer id, device, state (value 1)",
+            1,
+            {"peer": status["peer_id"], "device": status["device"], "state": status["state"]},
+        )
+        tflops = GaugeMetricFamily(
+            "crucible_node_peak_flops", "measured dense matmul FLOP/s by dtype", labels=["dtype"]
+        )
+        tflops.add_metric(["fp32"], status["tflops_fp32"] * 1e12)
+        tflops.add_metric(["bf16"], status["tflops_bf16"] * 1e12)
+        yield tflops
+        yield gauge(
+            "crucible_node_free_memory_bytes", "accelerator memory free now", status["free_memory_gb"] * 1e9
+        )
+        yield gauge(
+            "crucible_store_upload_bandwidth_bytes_per_second",
+            "measured upload bandwidth to the object store",
+            status["store_mbps"] * 1e6 / 8,
+        )
+        bw = GaugeMetricFamily(
+            "crucible_peer_bandwidth_bytes_per_second",
+            "measured bandwidth to a peer (probe)",
+            labels=["peer"],
+        )
+        rtt = GaugeMetricFamily(
+            "crucible_peer_rtt_seconds", "measured round-trip time to a peer", labels=["peer"]
+        )
+        for peer, link in sorted(status["links"].items()):
+            bw.add_metric([peer], link["mbps"] * 1e6 / 8)
+            rtt.add_metric([peer], link["rtt_ms"] / 1e3)
+        yield bw
+        yield rtt
+
+        run_labels = ["run", "replica", "stage"]
+        step = GaugeMetricFamily(
+            "crucible_step", "inner steps done in the current assignment", labels=run_labels
+        )
+        total = GaugeMetricFamily("crucible_total_steps", "inner steps the run trains for", labels=run_labels)
+        loss = GaugeMetricFamily("crucible_loss", "last training loss (nats per token)", labels=run_labels)
+        bpb = GaugeMetricFamily(
+            "crucible_validation_bits_per_byte", "last validation loss", labels=run_labels
+        )
+        tps = GaugeMetricFamily(
+            "crucible_tokens_per_second", "training throughput of this stage", labels=run_labels
+        )
+        if live.run_id:
+            lv = list(_labels(live))
+            step.add_metric(lv, live.step)
+            total.add_metric(lv, live.total_steps)
+            if live.loss is not None:
+                loss.add_metric(lv, live.loss)
+            if live.val_bpb is not None:
+                bpb.add_metric(lv, live.val_bpb)
+            tps.add_metric(lv, live.tokens_per_s)
+        yield from (step, total, loss, bpb, tps)
+
+        totals = node_metrics.totals(live)
+        for fieldname, (name, doc) in _COUNTERS.items():
+            fam = CounterMetricFamily(name, doc, labels=run_labels)
+            for lv3, t in sorted(totals.items()):
+                fam.add_metric(list(lv3), t.counters[fieldname])
+            yield fam
+        frags = CounterMetricFamily(
+            "crucible_fragments", "peer fragments by outcome", labels=[*run_labels, "outcome"]
+        )
+        link = CounterMetricFamily(
+            "crucible_link_bytes",
+            "pipeline bytes by neighbour and direction",
+            labels=[*run_labels, "peer", "direction"],
+        )
+        for lv3, t in sorted(totals.items()):
+            for fieldname, outcome in _FRAGMENT_OUTCOMES.items():
+                frags.add_metric([*lv3, outcome], t.counters[fieldname])
+            for (peer, direction), n in sorted(t.link_bytes.items()):
+                link.add_metric([*lv3, peer, direction], n)
+        yield frags
+        yield link
+        yield from store_families(store)  # type: ignore[arg-type]
+        yield rejected_family(rejected)
+        yield from http_families(http)  # type: ignore[arg-type]
+
+    return families
+
+
+__all__ = ["NodeMetrics", "node_families"]

@@ -350,13 +350,19 @@ class Swarm:
     def operator_flags(self) -> list[str]:
         return ["--operator-key-file", str(self.operator_key_file)]
 
-    def launch(self, run_toml: Path) -> None:
-        c = self._spawn(
-            self._name("launch"),
-            ["-m", "coordinator.cli", "launch", str(run_toml), *self.swarm_flags(), *self.operator_flags()],
-        )
-        c.wait_for(r"launched run", 120)
-        self.one_shots.append(c)  # it exits by itself once its DHT client shut down: `stop` lets it
+    def launch(self, *run_tomls: Path) -> None:
+        """`crucible-coordinator launch` each run spec, all at once (a launch joins the DHT: seconds each, so
+        runs launched one after another would not be concurrent)."""
+        launches = [
+            self._spawn(
+                self._name("launch"),
+                ["-m", "coordinator.cli", "launch", str(t), *self.swarm_flags(), *self.operator_flags()],
+            )
+            for t in run_tomls
+        ]
+        for c in launches:
+            c.wait_for(r"launched run", 120)
+            self.one_shots.append(c)  # it exits by itself once its DHT client shut down: `stop` lets it
 
     def statuses(self) -> list[dict | None]:
         return [_get_status(f"{h}/status") for h in self.health]

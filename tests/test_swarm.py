@@ -216,16 +216,16 @@ def test_metrics_dashboard_and_bad_requests(swarm: Swarm, tmp_path: Path) -> Non
     """Issue 14 acceptance 1-3: /metrics of a node and of the coordinator parse with prometheus_client and
     carry the figures with units in their names; the dashboard, rendered by headless Chromium, shows the
     run, its loss plot and tokens/s; bad requests to every endpoint get a 4xx with a message."""
-    if not any(m["run_id"] == "swarm-a" for m in run_metrics(swarm, "swarm-a")):  # run alone: train one
-        toml = tmp_path / "run.toml"
-        toml.write_text(RUN_TOML.format(run_id="swarm-a", steps=10, H=5, timeout=60))
-        swarm.launch(toml)
-        wait_until(
-            lambda: len(m := run_metrics(swarm, "swarm-a")) == 4 and all(x["state"] == "done" for x in m),
-            300,
-            "4 nodes to finish run swarm-a",
-        )
-    labels = {"run": "swarm-a"}
+    # a run long enough (~15 s) for the coordinator to sample it training: adverts refresh every 5 s
+    toml = tmp_path / "run.toml"
+    toml.write_text(RUN_TOML.format(run_id="swarm-m", steps=200, H=50, timeout=60))
+    swarm.launch(toml)
+    wait_until(
+        lambda: len(m := run_metrics(swarm, "swarm-m")) == 4 and all(x["state"] == "done" for x in m),
+        300,
+        "4 nodes to finish run swarm-m",
+    )
+    labels = {"run": "swarm-m"}
     nodes = [scrape(f"{h}/metrics") for h in swarm.health]
     for sampled in nodes:
         for name in (
@@ -237,7 +237,7 @@ def test_metrics_dashboard_and_bad_requests(swarm: Swarm, tmp_path: Path) -> Non
         ):
             mine = [v for lab, v in sampled[name] if lab.items() >= labels.items()]
             assert mine and all(set(lab) >= {"run", "replica", "stage"} for lab, _ in sampled[name]), name
-        assert sum(v for lab, v in sampled["crucible_tokens_total"] if lab["run"] == "swarm-a") > 0
+        assert sum(v for lab, v in sampled["crucible_tokens_total"] if lab["run"] == "swarm-m") > 0
         assert any(v > 0 for _, v in sampled["crucible_outer_rounds_total"])
         links = sampled["crucible_link_bytes_total"]  # by neighbour peer and direction
         assert {lab["direction"] for lab, _ in links} == {"sent", "received"} and all(v > 0 for _, v in links)
@@ -263,16 +263,16 @@ def test_metrics_dashboard_and_bad_requests(swarm: Swarm, tmp_path: Path) -> Non
         "crucible_run_pipeline_bytes",
         "crucible_run_store_bytes",
     ):
-        assert any(lab == labels for lab, _ in coord.get(name, [])), f"{name} missing for swarm-a"
+        assert any(lab == labels for lab, _ in coord.get(name, [])), f"{name} missing for swarm-m"
     assert any(
         lab["event"] == "placements" and v >= 1 for lab, v in coord["crucible_coordinator_events_total"]
     )
     assert coord["crucible_store_request_seconds_count"] and coord["crucible_nodes"]
 
-    with urllib.request.urlopen(f"{swarm.dashboard}api/runs/swarm-a/history", timeout=20) as r:
+    with urllib.request.urlopen(f"{swarm.dashboard}api/runs/swarm-m/history", timeout=20) as r:
         samples = json.load(r)["samples"]
     assert max(x["tokens_per_s"] for x in samples) > 0 and max(x["effective_mfu"] for x in samples) > 0
-    shot = dashboard_shows_run(swarm.dashboard, "swarm-a")
+    shot = dashboard_shows_run(swarm.dashboard, "swarm-m")
     print(f"dashboard screenshot: {shot}")
 
     bad_requests_get_4xx(
@@ -280,12 +280,12 @@ def test_metrics_dashboard_and_bad_requests(swarm: Swarm, tmp_path: Path) -> Non
         [
             ("GET", "/api/runs/no-such-run", 404),
             ("GET", "/api/runs/no-such-run/history", 404),
-            ("GET", "/api/runs/swarm-a/history?since=yesterday", 400),
-            ("GET", "/api/runs/swarm-a/history?since=nan", 400),
-            ("GET", "/api/runs/swarm-a/history?limit=0", 400),
-            ("GET", "/api/runs/swarm-a/history?limit=ten", 400),
-            ("GET", "/api/runs/swarm-a/bogus", 404),
-            ("GET", "/api/runs/swarm-a?x=1", 400),
+            ("GET", "/api/runs/swarm-m/history?since=yesterday", 400),
+            ("GET", "/api/runs/swarm-m/history?since=nan", 400),
+            ("GET", "/api/runs/swarm-m/history?limit=0", 400),
+            ("GET", "/api/runs/swarm-m/history?limit=ten", 400),
+            ("GET", "/api/runs/swarm-m/bogus", 404),
+            ("GET", "/api/runs/swarm-m?x=1", 400),
             ("GET", "/api/runs?verbose=1", 400),
             ("GET", "/api/nodes?all", 400),
             ("GET", "/?run=no-such-run", 404),
@@ -310,7 +310,7 @@ def test_metrics_dashboard_and_bad_requests(swarm: Swarm, tmp_path: Path) -> Non
     # the good requests still answer
     for url in (
         f"{swarm.dashboard}api/runs",
-        f"{swarm.dashboard}api/runs/swarm-a/history?limit=5",
+        f"{swarm.dashboard}api/runs/swarm-m/history?limit=5",
         f"{swarm.health[0]}/health",
     ):
         assert http_status(url)[0] == 200, url
@@ -320,18 +320,21 @@ def test_two_runs_at_once_share_the_swarm_and_nothing_else(swarm: Swarm, tmp_pat
     """Issue 13 acceptance 5: two runs launched at once (1 replica x 2 stages each) on the 4 nodes both
     complete, each on its own two nodes; everything each wrote to the store is under its own prefix, and
     its DHT records (run record subkey, its nodes' assignments) name only itself."""
-    runs = ("swarm-p", "swarm-q")
+    runs, steps = ("swarm-p", "swarm-q"), 60  # a few seconds each: the two train at the same time
+    tomls = []
     for rid in runs:
         toml = tmp_path / f"{rid}.toml"
         toml.write_text(
-            RUN_TOML.format(run_id=rid, steps=10, H=5, timeout=60).replace("replicas = 2", "replicas = 1")
+            RUN_TOML.format(run_id=rid, steps=steps, H=30, timeout=60).replace("replicas = 2", "replicas = 1")
         )
-        swarm.launch(toml)
+        tomls.append(toml)
+    swarm.launch(*tomls)
 
     def both_done() -> dict[str, list[dict]] | None:
         got = {rid: run_metrics(swarm, rid) for rid in runs}
         ok = all(
-            len(ms) == 2 and all(m["state"] == "done" and m["step"] == 10 for m in ms) for ms in got.values()
+            len(ms) == 2 and all(m["state"] == "done" and m["step"] == steps for m in ms)
+            for ms in got.values()
         )
         return got if ok else None
 
@@ -350,7 +353,9 @@ def test_two_runs_at_once_share_the_swarm_and_nothing_else(swarm: Swarm, tmp_pat
         assert any("/sync/" in k for k in keys_of_run) and any("/ckpt/" in k for k in keys_of_run)
         other = runs[1 - runs.index(rid)]
         assert not [k for k in keys_of_run if other in k]
-    assert not [k for k in store.list("swarm-") if not k.startswith(("swarm-a/", "swarm-p/", "swarm-q/"))]
+    assert not [
+        k for k in store.list("swarm-") if not k.startswith(("swarm-a/", "swarm-m/", "swarm-p/", "swarm-q/"))
+    ]
 
 
 def _slots(swarm: Swarm, run_id: str) -> dict[tuple[int, int], int]:

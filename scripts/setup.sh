@@ -14,4 +14,14 @@ PIP=(.venv/bin/python -m pip install --disable-pip-version-check -q -c constrain
 .venv/bin/python -m pip install --disable-pip-version-check -q --upgrade pip
 "${PIP[@]}" "torch==2.13.0"
 "${PIP[@]}" -e ".[dev,swarm]"
+# the dashboard test drives Debian's headless chromium (tests/observability.py): installed when we may
+if ! command -v chromium >/dev/null; then
+  if [ "$(id -u)" = 0 ] && command -v apt-get >/dev/null; then
+    export DEBIAN_FRONTEND=noninteractive
+    apt-get install -y -q chromium >/dev/null 2>&1 || { apt-get update -q >/dev/null 2>&1 && apt-get install -y -q chromium >/dev/null 2>&1; } \
+      || echo "note: could not install chromium; the dashboard test needs it (apt-get install chromium)" >&2
+  else
+    echo "note: the dashboard test needs Debian's chromium: sudo apt-get install chromium" >&2
+  fi
+fi
 .venv/bin/python -c 'import torch, hivemind, moto; print(f"crucible: ready (torch {torch.__version__}, hivemind {hivemind.__version__})")'

@@ -75,6 +75,9 @@ class ManagedRun:
     """The cost model of `record.spec` (cached: the spec changes only when the split or k is fixed)."""
     final_sample: bool = False
     """Whether the dashboard's history took its sample of the ended run."""
+    dropped: set[int] = field(default_factory=set)
+    """Replicas that dropped out (lost a node, none free to rebuild): no longer in the survivors'
+    stage_peers, so their rounds stop waiting out the deadline for them."""
 
 
 class Coordinator:
@@ -455,7 +458,7 @@ class Coordinator:
                 prev=ep(r, s - 1),
                 next=ep(r, s + 1),
                 spec=spec,
-                stage_peers={str(rr): pl.peer(rr, s) for rr in range(spec.replicas)},
+                stage_peers={str(rr): pl.peer(rr, s) for rr in range(spec.replicas) if rr not in run.dropped},
                 start_step=-1 if r in (resume_replicas or ()) else old_start.get((r, s), 0),
                 issued_at=dht_time(),
                 former_stage_peers={
@@ -533,10 +536,35 @@ class Coordinator:
                     )
                 run.missing_since[peer] = -1.0
         lost = {p for p, t in run.missing_since.items() if t == -1.0}
+        self._drop_out(run, adverts, {r for (r, s), p in pl.slots.items() if p in lost})
         if done and done + len(lost & set(pl.slots.values())) >= len(pl.slots):
             self._set_state(run, "done")
         elif not done and {r for (r, s), p in pl.slots.items() if p in lost} >= {r for r, s in pl.slots}:
             self._set_state(run, "failed", reason=self._failure_summary(run))
+
+    def _drop_out(self, run: ManagedRun, adverts: dict[str, NodeAdvert], dropped: set[int]) -> None:
+        """Tell the surviving replicas' nodes that `dropped` replicas are gone (a new epoch whose
+        stage_peers leave them out; the workers keep training): otherwise every later round of theirs
+        waits sync.timeout_s for fragments that will never come. Skipped once a survivor is done (a new
+        assignment would start its finished slot again) or while a survivor's advert is missing."""
+        pl = run.placement
+        assert pl is not None
+        if dropped <= run.dropped:
+            return
+        survivors = {slot for slot in pl.slots if slot[0] not in dropped}
+        ads = [adverts.get(pl.slots[slot]) for slot in survivors]
+        if not survivors or any(a is None or a.state != "training" for a in ads):
+            return
+        run.dropped = set(dropped)
+        run.epoch += 1
+        log.info(
+            "run %s: replica(s) %s dropped out; replicas %s go on without waiting for them (epoch %d)",
+            run.record.spec.run_id,
+            sorted(dropped),
+            sorted({r for r, _ in survivors}),
+            run.epoch,
+        )
+        self._assign(run, adverts, survivors)
 
     def _note_failure(self, run: ManagedRun, peer: str, reason: str) -> None:
         """Count a node's failure once per epoch (status and the run's reason quote it)."""
@@ -584,6 +612,7 @@ class Coordinator:
         run.missing_since.clear()
         self.events["rebuilds"] += 1
         rebuilt = broken | {r for r, _ in holes}
+        run.dropped -= rebuilt  # a replica that dropped out and now has nodes again counts again
         log.info(
             "run %s: rebuilding replica(s) %s (epoch %d), resuming from the latest consensus checkpoint",
             run.record.spec.run_id,

@@ -250,8 +250,8 @@ class Acceptor:
     def _admit(self, conn: socket.socket, addr: object) -> None:
         while len(self._pending) >= self.max_pending:
             oldest = next(iter(self._pending.values()))
-            self._close_pending(oldest)
             self._count("dropped")
+            self._close_pending(oldest)
             self._log_dropped.warning(
                 "dropped pipeline connection from %s: %d connections already in their handshake",
                 oldest.addr,
@@ -268,8 +268,8 @@ class Acceptor:
         hs.conn.close()
 
     def _reject(self, hs: _Handshake, why: str) -> None:
+        self._count("rejected")  # before the close: a peer that sees the close also sees the count
         self._close_pending(hs)
-        self._count("rejected")
         self._log_rejected.warning("rejected pipeline connection from %s: %s", hs.addr, why)
 
     def _read(self, conn: socket.socket) -> None:
@@ -298,8 +298,8 @@ class Acceptor:
             try:
                 hello = self._authenticate(bytes(hs.buf))
             except ValueError as e:  # ProtocolError, SignatureError and the schema's range errors
-                hs.conn.close()
                 self._count("rejected")
+                hs.conn.close()
                 self._log_rejected.warning("rejected pipeline connection from %s: %s", hs.addr, e)
                 return
             hs.conn.setblocking(True)
@@ -316,8 +316,8 @@ class Acceptor:
             if not busy:
                 self._probes_active += 1
         if busy:
-            hs.conn.close()
             self._count("rejected")
+            hs.conn.close()
             self._log_rejected.warning(
                 "refused probe from %s (%s): %d probes already running",
                 hs.addr,
@@ -375,13 +375,13 @@ class Acceptor:
         with self._cond:
             for old in [i for i in self._held if i.key == item.key]:  # the peer reconnected: keep the newest
                 self._held.remove(old)
-                old.conn.close()
                 self.dropped += 1
+                old.conn.close()
             while len(self._held) >= self.max_held:
                 victim = next((i for i in self._held if i.key not in self._wanted), self._held[0])
                 self._held.remove(victim)
-                victim.conn.close()
                 self.dropped += 1
+                victim.conn.close()
                 self._log_dropped.warning(
                     "dropped held pipeline connection from %s: %d connections already wait to be taken",
                     victim.hello.peer_id,
@@ -397,8 +397,8 @@ class Acceptor:
         with self._cond:
             for item in [i for i in self._held if now - i.since > self.keep_s]:
                 self._held.remove(item)
-                item.conn.close()
                 self.dropped += 1
+                item.conn.close()
 
     def _count(self, name: str) -> None:
         with self._cond:
@@ -432,8 +432,8 @@ class Acceptor:
                         self._held.remove(item)
                         h = item.hello
                         if floor is not None and (h.term, h.epoch) < floor:
-                            item.conn.close()
                             self.rejected += 1
+                            item.conn.close()
                             log.warning(
                                 "refused pipeline connection from %s: its hello is for term %d epoch %d, "
                                 "older than the assignment at term %d epoch %d",

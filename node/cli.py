@@ -125,7 +125,10 @@ SETTINGS: tuple[Setting, ...] = (
             "folder a run's relative train.data and train.tokenizer resolve under, and where corpus shards "
             "fetched from the store are cached (.crucible-cache); nodes on one host can hold different "
             "copies (default: the working folder; cache in ~/.crucible/cache)", "--data-root", "PATH"),
-    Setting("node", "advert_ttl_s", float, 30.0, "DHT advert lifetime in seconds (default 30)"),
+    Setting("node", "advert_ttl_s", float, 30.0,
+            "DHT advert lifetime in seconds, refreshed every third of it (at most 5 s): a coordinator "
+            "counts a node gone about two churn graces after its last refresh (default 30)",
+            "--advert-ttl-s"),
     Setting("node", "poll_s", float, 1.0, "how often to look for an assignment, seconds (default 1)"),
     Setting("store", "endpoint_url", str, "https://ACCOUNT.r2.cloudflarestorage.com",
             "S3-compatible endpoint URL (example: https://ACCOUNT.r2.cloudflarestorage.com); checked at "

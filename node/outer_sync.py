@@ -407,8 +407,9 @@ class OuterSync:
 
     # --- who may sign a slot -----------------------------------------------------------------------
     def set_stage_peers(self, stage_peers: dict[int, str], former: dict[int, set[str]] | None = None) -> None:
-        """The signers of this stage's slots changed (a replica was rebuilt with a new node): the old
-        signer of a slot stays known for the rounds it signed (round records may list its fragments)."""
+        """The signers of this stage's slots changed (a replica was rebuilt with a new node, or dropped out
+        and is no longer waited for): the old signer of a slot stays known for the rounds it signed
+        (round records may list its fragments)."""
         known = {r: set(v) for r, v in self.former.items()}
         for r, old in self.stage_peers.items():
             if stage_peers.get(r) != old:

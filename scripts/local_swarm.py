@@ -33,6 +33,13 @@ from protocol.corpus import corpus_sha256, is_store_url
 from scripts.procs import Child, ProcessFailed
 
 NODE_PRICE_PER_HOUR = 0.10
+
+# Fault timers of a swarm on one host. Its DHT answers in milliseconds, so nodes refresh their adverts
+# every 3 s (TTL 9 s) and the coordinator counts a node gone after 2 x 6 s of silence (the defaults,
+# 30 s / 10 s, leave room for the internet) and takes over a lapsed lease after 8 s (default 15 s).
+LOCAL_ADVERT_TTL_S = 9.0
+LOCAL_CHURN_GRACE_S = 6.0
+LOCAL_LEASE_S = 8.0
 """$/h every swarm node advertises; the prediction prices tokens with it."""
 
 DEFAULT_RUN = """\
@@ -280,7 +287,14 @@ class Swarm:
         if self.with_coordinator:
             self.coordinator = self._spawn(
                 self._name("coordinator"),
-                ["-m", "coordinator.cli", "serve", *self.swarm_flags(), *self.operator_flags()],
+                [
+                    "-m",
+                    "coordinator.cli",
+                    "serve",
+                    *self.swarm_flags(),
+                    *self.operator_flags(),
+                    *self.coordinator_flags(),
+                ],
             )
         for i in range(self.n_nodes):
             self.add_node(i)
@@ -312,6 +326,8 @@ class Swarm:
                 self.device,
                 "--price-per-hour",
                 f"{NODE_PRICE_PER_HOUR:.2f}",
+                "--advert-ttl-s",
+                f"{LOCAL_ADVERT_TTL_S:g}",
                 *self.node_args.get(i, []),
             ],
             self.node_env,
@@ -333,7 +349,14 @@ class Swarm:
         self.restarts += 1
         self.coordinator = self._spawn(
             self._name(f"coordinator-{self.restarts}"),
-            ["-m", "coordinator.cli", "serve", *self.swarm_flags(), *self.operator_flags()],
+            [
+                "-m",
+                "coordinator.cli",
+                "serve",
+                *self.swarm_flags(),
+                *self.operator_flags(),
+                *self.coordinator_flags(),
+            ],
         )
         self.dashboard = self.coordinator.wait_for(r"dashboard=(\S+)", ready_timeout_s).group(1)
         self.write_pids()
@@ -349,6 +372,10 @@ class Swarm:
 
     def operator_flags(self) -> list[str]:
         return ["--operator-key-file", str(self.operator_key_file)]
+
+    @staticmethod
+    def coordinator_flags() -> list[str]:
+        return ["--lease-s", f"{LOCAL_LEASE_S:g}", "--churn-grace-s", f"{LOCAL_CHURN_GRACE_S:g}"]
 
     def launch(self, *run_tomls: Path) -> None:
         """`crucible-coordinator launch` each run spec, all at once (a launch joins the DHT: seconds each, so
@@ -588,9 +615,9 @@ def _raise_interrupt(*_: object) -> None:
     raise KeyboardInterrupt("terminated")
 
 
-SETTLE_AFTER_FAULT_S = 35.0
+SETTLE_AFTER_FAULT_S = 2 * LOCAL_CHURN_GRACE_S + 15.0
 """After a fault, the run counts as finished only when nothing trains for this long: the coordinator
-needs its churn grace (2 x 10 s) and a placement to rebuild a broken replica."""
+needs its churn grace (2 x LOCAL_CHURN_GRACE_S) and a placement to rebuild a broken replica."""
 
 
 @dataclass

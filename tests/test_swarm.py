@@ -30,7 +30,7 @@ from protocol.runspec import ModelSpec, RunSpec, SyncSpec, TrainSpec, load_run_s
 from protocol.sparseloco import SparseLoCoConfig
 from protocol.sparseloco_format import ratio
 from protocol.store import ObjectStore, StoreConfig
-from scripts.local_swarm import Swarm
+from scripts.local_swarm import Swarm, set_pipeline
 from tests.fragment_faults import corrupt
 from tests.observability import bad_requests_get_4xx, dashboard_shows_run, http_status, scrape
 from tests.test_export import hf_logits, pipeline_logits, sample_tokens
@@ -71,6 +71,11 @@ def wait_until(pred, timeout_s: float, what: str, poll_s: float = 0.5):
             return v
         time.sleep(poll_s)
     raise AssertionError(f"timed out after {timeout_s:.0f} s waiting for {what}")
+
+
+def coordinator_loss(swarm: Swarm) -> dict[str, float]:
+    """run -> crucible_run_loss in the coordinator's /metrics."""
+    return {lab["run"]: v for lab, v in scrape(f"{swarm.dashboard}metrics").get("crucible_run_loss", [])}
 
 
 def run_metrics(swarm: Swarm, run_id: str) -> list[dict]:
@@ -216,14 +221,19 @@ def test_metrics_dashboard_and_bad_requests(swarm: Swarm, tmp_path: Path) -> Non
     """Issue 14 acceptance 1-3: /metrics of a node and of the coordinator parse with prometheus_client and
     carry the figures with units in their names; the dashboard, rendered by headless Chromium, shows the
     run, its loss plot and tokens/s; bad requests to every endpoint get a 4xx with a message."""
-    # a run long enough (~15 s) for the coordinator to sample it training: adverts refresh every 5 s
+    # a run the coordinator samples while it trains: its links paced (20 ms each way, so >= 40 ms a step
+    # on any host) to last >= 8 s; adverts refresh every 3 s
     toml = tmp_path / "run.toml"
-    toml.write_text(RUN_TOML.format(run_id="swarm-m", steps=200, H=50, timeout=60))
+    toml.write_text(set_pipeline(RUN_TOML.format(run_id="swarm-m", steps=200, H=50, timeout=60), delay_ms=20))
     swarm.launch(toml)
     wait_until(
         lambda: len(m := run_metrics(swarm, "swarm-m")) == 4 and all(x["state"] == "done" for x in m),
         300,
         "4 nodes to finish run swarm-m",
+    )
+    # the coordinator sees the nodes through their DHT adverts: its figures lag theirs by a refresh
+    wait_until(
+        lambda: "swarm-m" in coordinator_loss(swarm), 30, "the coordinator's /metrics to carry the final loss"
     )
     labels = {"run": "swarm-m"}
     nodes = [scrape(f"{h}/metrics") for h in swarm.health]
@@ -698,9 +708,10 @@ def test_a_replica_killed_right_after_its_upload_is_consumed_then_missed(
 ) -> None:
     """Issue 10 acceptance 5: the first stage of replica 1 is killed (SIGKILL, mid-step) as soon as its
     round-2 fragment is in the store. Replica 0 aggregates that fragment in round 2 (its update is
-    consumed: no "did not arrive" for round 2), finds replica 1 missing from round 3 on (killed before
-    those uploads) and trains to the end; replica 1's second stage reports `failed` with the broken link;
-    the coordinator, with no spare node, lets replica 1 drop out."""
+    consumed: no "did not arrive" for round 2), finds replica 1 missing from round 3 (killed before that
+    upload) and trains to the end; replica 1's second stage reports `failed` with the broken link; the
+    coordinator, with no spare node, lets replica 1 drop out and tells replica 0, whose later rounds then
+    stop waiting out the deadline for it."""
     spare = swarm.add_node(5)  # earlier tests killed two nodes: four alive again
     swarm.health.append(spare.wait_for(r"health=(\S+)/health", 120).group(1))
     toml = tmp_path / "run.toml"
@@ -728,6 +739,8 @@ def test_a_replica_killed_right_after_its_upload_is_consumed_then_missed(
         )
     }
     assert missed and min(missed) > 2, missed  # round 2 consumed; the rounds after the kill missing
+    assert "run swarm-k: replica(s) [1] dropped out" in swarm.coordinator.log_text()
+    assert max(missed) < 8, missed  # ...until the drop-out reached replica 0: the last round waits for no one
     failed = wait_until(
         lambda: (s := swarm.statuses()[r1s1]) and s["metrics"]["state"] == "failed" and s["metrics"],
         120,

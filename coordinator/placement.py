@@ -2,9 +2,10 @@
 
 Objective: the run's predicted tokens/s, the planner's sum over replicas of M b s / step_r, where
 step_r is `coordinator.planner.replica_step_s` of replica r's hosts: its pipeline schedule replayed
-with each stage's compute t_c[s] = work[s] b s / (tflops x ceiling) from the node's advertised speed,
-and each boundary's message time t_x = bytes_per_microbatch(k) / bandwidth over the link it crosses,
-plus the SparseLoCo sync wait from each node's store bandwidth. Ties go to the lower $/h. Tokens/s,
+with each stage's compute t_c[s] = work[s] b s / rate from the node's advert (the sustained rate of
+its reference block, else tflops x ceiling), and each boundary's message time
+t_x = bytes_per_microbatch(k) / bandwidth over the link it crosses, plus the SparseLoCo sync wait from
+each node's store bandwidth. Ties go to the lower $/h. Tokens/s,
 not tokens per dollar: R x S is fixed by the run spec, and every placed node is paid whatever it runs.
 
 Bandwidth: a link's is what its two ends measured of each other (`NodeAdvert.peer_mbps`, the smaller
@@ -37,10 +38,10 @@ import statistics
 from collections.abc import Callable, Iterator, Mapping, Sequence
 from dataclasses import dataclass, field
 
-from coordinator.calibrate import run_settings
-from coordinator.plan_inputs import MODELS, Host, ModelShape, RunSettings
+from coordinator.plan_inputs import MODELS, Host, ModelShape, RunSettings, sustained_tflops
 from coordinator.plan_layout import Layout, balance_layers, stage_work
 from coordinator.plan_links import activation_bytes, id_bytes
+from coordinator.plan_spec import run_settings
 from coordinator.planner import boundary_k, replica_step_s
 from protocol.memory import GB, fits, precision_for_device, stage_memory
 from protocol.messages import NodeAdvert
@@ -194,7 +195,7 @@ class CostModel:
     layers: tuple[int, ...]
     """Layers per stage, the same in every replica; sums to shape.n_layers."""
     settings: RunSettings
-    """Schedule, microbatches, link k and sync cadence (coordinator.calibrate.run_settings for a spec)."""
+    """Schedule, microbatches, link k and sync cadence (coordinator.plan_spec.run_settings for a spec)."""
     default_mbps: float = 1000.0
     """Mbit/s of a link, or to the store, that nothing measured."""
     default_rtt_ms: float = 0.0
@@ -265,11 +266,12 @@ class _Nodes:
                 link_mbps=self.typ_mbps[i],
                 rtt_ms=self.typ_rtt_ms[i],
                 store_mbps=a.store_mbps or cost.default_mbps,
+                sustained_tflops=sustained_tflops(a.ref_block, a.ref_block_s),
             )
             for i, a in enumerate(self.adverts)
         ]
         work = stage_work(shape, cost.layers)
-        rate = [h.peak_tflops * 1e12 * st.ceiling for h in self.hosts]
+        rate = [h.compute_tflops(st.ceiling) * 1e12 for h in self.hosts]
         self.t_c = [[work[s] * tokens / r for s in range(S)] for r in rate]  # (n, S) seconds per microbatch
         k = min(st.k or st.k_min, shape.d_model)  # the automatic k's floor: where a slow link starts to cost
         wire = dict(
@@ -661,11 +663,17 @@ def choose_boundary_k(
     return boundary_k(cost.shape, placement_layout(placement, adverts, cost), cost.settings)
 
 
+def compute_rate(a: NodeAdvert, ceiling: float) -> float:
+    """TFLOP/s a node runs a stage's FLOPs at: its reference block's sustained rate when it advertised
+    one, else its matmul peak x ceiling."""
+    return sustained_tflops(a.ref_block, a.ref_block_s) or max(a.tflops, MIN_TFLOPS) * ceiling
+
+
 def choose_layer_split(
     placement: Placement, adverts: Mapping[str, NodeAdvert], cost: CostModel
 ) -> tuple[int, ...]:
     """Layers per stage for the run, chosen at launch from the nodes placed: each stage is as fast as
-    its slowest node over the replicas (advertised TFLOP/s) and holds what its smallest node's memory
+    its slowest node over the replicas (`compute_rate`) and holds what its smallest node's memory
     takes; the planner's balance (min-max stage time, `plan_layout.balance_layers`) splits the layers.
     The same split in every replica: stage weights are averaged across replicas."""
     S = len(cost.layers)
@@ -676,6 +684,6 @@ def choose_layer_split(
         stages[s].append(adverts[peer])
     return balance_layers(
         cost.shape,
-        [min(a.tflops for a in nodes) for nodes in stages],
+        [min(compute_rate(a, cost.settings.ceiling) for a in nodes) for nodes in stages],
         [min(a.memory_gb for a in nodes) for nodes in stages],
     )

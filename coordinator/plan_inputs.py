@@ -29,6 +29,7 @@ from typing import Literal
 from coordinator.accelerators import get_accelerator, peak_tflops
 from coordinator.plan_schedule import warmup_forwards
 from protocol import memory
+from protocol.reference_block import REFERENCE_BLOCKS
 from protocol.runspec import ModelSpec
 from protocol.schema import SchemaError, from_dict
 
@@ -178,6 +179,26 @@ class Host:
     link_mbps: float
     rtt_ms: float
     store_mbps: float
+    sustained_tflops: float = 0.0
+    """What the host sustains on training work (its reference block, `sustained_tflops()`); 0 = not
+    measured: then peak x ceiling."""
+
+    def compute_tflops(self, ceiling: float) -> float:
+        """The rate a stage's FLOPs run at on this host: measured if it was, else peak x ceiling."""
+        return self.sustained_tflops if self.sustained_tflops > 0 else self.peak_tflops * ceiling
+
+
+def sustained_tflops(
+    ref_block: str, ref_block_s: float, attention_coef: float = ATTENTION_COEF_FLASH
+) -> float:
+    """TFLOP/s a node sustains on training work, from its advertised reference-block time: the block's
+    FLOPs in this planner's convention (6 P_layer + coef d s per token) over the measured seconds
+    (protocol/reference_block.py). 0 for an unknown block or no measurement."""
+    ref = REFERENCE_BLOCKS.get(ref_block)
+    if ref is None or not ref_block_s > 0:
+        return 0.0
+    per_token = 6.0 * ref.layer_params + attention_coef * ref.d_model * ref.seq_len
+    return per_token * ref.tokens / ref_block_s / 1e12
 
 
 @dataclass(kw_only=True, frozen=True)

@@ -218,7 +218,7 @@ def _links(
     tokens_mb = settings.microbatch_size * shape.seq_len
     wire = _wire(shape, settings)
     work = stage_work(shape, layers)
-    t_c = [work[s] * tokens_mb / (hosts[s].peak_tflops * 1e12 * settings.ceiling) for s in range(S)]
+    t_c = [work[s] * tokens_mb / (hosts[s].compute_tflops(settings.ceiling) * 1e12) for s in range(S)]
     if mbps is None:
         mbps = tuple(min(hosts[i].link_mbps, hosts[i + 1].link_mbps) for i in range(S - 1))
     if rtt_ms is None:
@@ -331,7 +331,7 @@ def _replica_step(
         M
         * tokens_mb
         * shape.flops_per_token()
-        / (sum(h.peak_tflops for h in hosts) * 1e12 * settings.ceiling)
+        / (sum(h.compute_tflops(settings.ceiling) for h in hosts) * 1e12)
     )
     seconds = dict(
         compute=ideal,
@@ -372,7 +372,8 @@ def predict(shape: ModelShape, layout: Layout, settings: RunSettings) -> Predict
 
     Per replica, with t_c[s] the compute of stage s per microbatch and t_x[l] a link's message time::
 
-        t_c[s]  = work[s] x b s / (peak[s] x ceiling)       # forward t_c / 3, backward 2 t_c / 3
+        t_c[s]  = work[s] x b s / rate[s]                   # forward t_c / 3, backward 2 t_c / 3
+        rate[s] = the host's sustained rate (reference block) if measured, else peak[s] x ceiling
         step    = schedule_step(t_c / 3, 2 t_c / 3, t_x, rtt / 2) + sync_wait   # replayed op by op:
                   (M + S - 1) t_c for balanced stages on ideal links; in steady state a microbatch takes
                   T = max(max t_c, max t_x, (sum t_c + sum (rtt + 2 t_x)) / W), W = S (+extra) in flight

@@ -121,6 +121,9 @@ SETTINGS: tuple[Setting, ...] = (
     Setting("node", "coordinator_lease_s", float, 15.0,
             "lease of the coordinator role, seconds: how soon another candidate takes over (default 15)",
             "--coordinator-lease-s"),
+    Setting("node", "coordinator_churn_grace_s", float, 10.0,
+            "the coordinator role's churn grace, seconds: how long a placed node may be silent before its "
+            "replica counts as broken (gone after twice that; default 10)", "--coordinator-churn-grace-s"),
     Setting("node", "data_root", str, "/srv/corpora",
             "folder a run's relative train.data and train.tokenizer resolve under, and where corpus shards "
             "fetched from the store are cached (.crucible-cache); nodes on one host can hold different "
@@ -540,7 +543,7 @@ def cmd_join(args: argparse.Namespace) -> int:
     print(
         f"crucible-node ready: peer_id={daemon.peer_id} pipeline={cfg.announce_host or cfg.host}:{daemon.acceptor.port} "
         f"health=http://{cfg.host}:{daemon.health.port}/health device={daemon.device} "
-        f"tflops={daemon.tflops:.3f} store_mbps={daemon.store_mbps:.0f}",
+        f"tflops={daemon.tflops:.3f} ref_block_ms={daemon.ref_block_s * 1e3:.1f} store_mbps={daemon.store_mbps:.0f}",
         flush=True,
     )
     try:

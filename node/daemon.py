@@ -25,7 +25,7 @@ from node.health import HealthServer
 from node.link_probe import LinkMeasure, ProbeError, probe_peer
 from node.metrics import NodeMetrics, node_families
 from node.preflight import refuse_if_taken, refuse_live_twin
-from node.probe import device_name, measure_store_mbps, measure_tflops, memory_gb
+from node.probe import device_name, measure_reference_block, measure_store_mbps, measure_tflops, memory_gb
 from node.transport import LinkError, Shaper, listen
 from node.worker import StageWorker, WorkerMetrics
 from protocol import keys
@@ -110,6 +110,9 @@ class NodeConfig:
     coordinator_lease_s: float = 15.0
     """Lease duration of the coordinator role: how long a dead leader holds its runs before another
     candidate takes over."""
+    coordinator_churn_grace_s: float = 10.0
+    """The coordinator role's churn grace: how long a placed node may be silent (2x: gone) before its
+    replica is rebuilt."""
     data_root: str = ""
     """Folder a run's relative train.data and train.tokenizer resolve under (so one host can hold nodes
     with different copies), and where shards fetched from the store and token files are cached
@@ -139,6 +142,9 @@ class NodeConfig:
         check_range("probe_peers (--probe-peers)", self.probe_peers, 0, ADVERTISED_PEERS)
         check_range("probe_bytes (--probe-bytes)", self.probe_bytes, 1024, MAX_PROBE_BYTES)
         check_range("coordinator_lease_s (--coordinator-lease-s)", self.coordinator_lease_s, 1, 3600)
+        check_range(
+            "coordinator_churn_grace_s (--coordinator-churn-grace-s)", self.coordinator_churn_grace_s, 1, 3600
+        )
         if self.data_root and not Path(self.data_root).expanduser().is_dir():
             raise ValueError(
                 f"data_root (--data-root) {self.data_root!r} is not a folder (example: --data-root /srv/corpora)"
@@ -243,6 +249,7 @@ class NodeDaemon:
             self.tflops_bf16 = measure_tflops(self.device, torch.bfloat16)
             self.default_precision = resolve_precision("auto", self.device)
             self.tflops = self.tflops_bf16 if self.default_precision == "bf16" else self.tflops_fp32
+            self.ref_block, self.ref_block_s = measure_reference_block(self.device, self.default_precision)
             self.store_mbps = measure_store_mbps(self.store) if self.store else 0.0
             self._advert_thread = threading.Thread(target=self._advert_loop, name="advert", daemon=True)
             self._probe_thread = threading.Thread(target=self._probe_loop, name="link-probe", daemon=True)
@@ -299,6 +306,8 @@ class NodeDaemon:
             tflops=round(self.tflops, 4),
             tflops_fp32=round(self.tflops_fp32, 4),
             tflops_bf16=round(self.tflops_bf16, 4),
+            ref_block=self.ref_block,
+            ref_block_s=round(self.ref_block_s, 6),
             price_per_hour=self.cfg.price_per_hour,
             host=self.cfg.announce_host or self.cfg.host,
             port=self.acceptor.port,
@@ -379,6 +388,8 @@ class NodeDaemon:
             "tflops": self.tflops,
             "tflops_fp32": self.tflops_fp32,
             "tflops_bf16": self.tflops_bf16,
+            "ref_block": self.ref_block,
+            "ref_block_s": self.ref_block_s,
             "store_mbps": self.store_mbps,
             "coordinator_role": None
             if self.coordinator_role is None
@@ -578,6 +589,7 @@ class NodeDaemon:
             cfg.coordinator_certificate,
         ]
         args += ["--operator-key", cfg.operator_key, "--lease-s", str(cfg.coordinator_lease_s)]
+        args += ["--churn-grace-s", str(cfg.coordinator_churn_grace_s)]
         env = {}  # credentials by environment, not on a command line that `ps` shows
         if store.access_key:
             env = {"AWS_ACCESS_KEY_ID": store.access_key, "AWS_SECRET_ACCESS_KEY": store.secret_key}

@@ -58,3 +58,30 @@ def measure_store_mbps(store: ObjectStore, nbytes: int = 1 << 20) -> float:
     except StoreError:
         return 0.0
     return nbytes * 8 / elapsed / 1e6
+
+
+def measure_reference_block(device: torch.device, precision: str, repeats: int = 3) -> tuple[str, float]:
+    """(name, seconds) of one forward + backward of the reference block (protocol/reference_block.py) on
+    `device` in `precision` ("fp32" or "bf16": bf16 autocast over fp32 weights, as training runs): the
+    fastest of `repeats` after a warm-up, so a moment of other work does not count."""
+    from node.device import autocast
+    from node.model import Block, rope_tables
+    from protocol.reference_block import reference_block_for
+    from protocol.runspec import ModelSpec
+
+    ref = reference_block_for(device.type)
+    spec = ModelSpec(d_model=ref.d_model, n_layers=1, n_heads=ref.n_heads, d_ff=ref.d_ff, seq_len=ref.seq_len)
+    block = Block(spec).to(device)
+    cos, sin = (t.to(device) for t in rope_tables(ref.seq_len, ref.d_model // ref.n_heads, spec.rope_theta))
+    x = torch.randn(ref.batch, ref.seq_len, ref.d_model, device=device, requires_grad=True)
+    best = float("inf")
+    for i in range(repeats + 1):
+        synchronize(device)
+        start = time.perf_counter()
+        with autocast(device, precision):  # type: ignore[arg-type]
+            y = block(x, cos, sin)
+        y.float().square().mean().backward()
+        synchronize(device)
+        if i:  # the first is the warm-up
+            best = min(best, time.perf_counter() - start)
+    return ref.name, best

@@ -13,7 +13,7 @@ a CPU node resolves it, through the worker's own inner step (`node/inner_step.py
 projections, `train.grad_clip`, AdamW with `train.weight_decay`); the messages a neighbour would send are
 packed once, outside the timing.
 
-`coordinator/calibrate.py` starts one probe per node process of a swarm (R x S of them, one torch
+`scripts/calibrate_local.py` starts one probe per node process of a swarm (R x S of them, one torch
 thread each) to measure how they share the CPU. A probe speaks lines on stdin/stdout:
 
     <- one JSON line: {"spec": <RunSpec as a dict>, "stage": s, "threads": 1}

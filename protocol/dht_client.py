@@ -7,8 +7,13 @@ so a bad record cannot halt a coordinator's tick or a node's poll, which serve e
 
 from __future__ import annotations
 
+import contextlib
+import ctypes
 import logging
+import os
+import signal
 import tempfile
+import threading
 from collections import Counter
 from pathlib import Path
 from typing import Any, TypeVar
@@ -63,6 +68,29 @@ def validate_multiaddr(addr: str) -> str:
     return str(m)
 
 
+PR_SET_PDEATHSIG = 1
+
+
+class _DHT(hivemind.DHT):
+    """hivemind's DHT process, made to die with the process that started it (Linux): a node or
+    coordinator killed by SIGKILL or the OOM killer must not leave its DHT peer serving on without it
+    (hivemind stops the daemon process only on a clean exit). Only when started from the main thread:
+    the kernel sends the signal when the creating *thread* ends."""
+
+    def __init__(self, *args: Any, **kwargs: Any) -> None:
+        self._parent_pid = os.getpid()
+        self._die_with_parent = threading.current_thread() is threading.main_thread()
+        super().__init__(*args, **kwargs)
+
+    def run(self) -> None:
+        if self._die_with_parent:
+            with contextlib.suppress(OSError, AttributeError):
+                ctypes.CDLL("libc.so.6", use_errno=True).prctl(PR_SET_PDEATHSIG, signal.SIGKILL)
+            if os.getppid() != self._parent_pid:  # the parent died before prctl took effect
+                os._exit(0)
+        super().run()
+
+
 class DHTClient:
     """A hivemind DHT peer whose peer id is the node's Ed25519 identity."""
 
@@ -76,9 +104,13 @@ class DHTClient:
         announce_host: str | None = None,
         startup_timeout_s: float = 30.0,
         client_mode: bool = False,
+        request_timeout_s: float = 60.0,
     ) -> None:
         """client_mode: a short-lived client (status, launch, stop) that asks and stores but serves no
-        one's records and takes no place in the routing tables (hivemind's client_mode)."""
+        one's records and takes no place in the routing tables (hivemind's client_mode).
+        request_timeout_s: a store or get not answered by then raises TimeoutError (hivemind's calls
+        wait forever, e.g. on a DHT process that died while the node shuts down)."""
+        self.request_timeout_s = request_timeout_s
         peers = [validate_multiaddr(a) for a in bootstrap or []]
         self.identity = identity
         self.rejected: Counter[str] = Counter()
@@ -93,7 +125,7 @@ class DHTClient:
         if announce_host:
             kwargs["announce_maddrs"] = [f"/ip4/{announce_host}/tcp/{port}"] if port else None
         try:
-            self.dht = hivemind.DHT(
+            self.dht = _DHT(
                 initial_peers=peers or None,
                 host_maddrs=[f"/ip4/{host}/tcp/{port}"],
                 identity_path=str(key_path),
@@ -131,14 +163,15 @@ class DHTClient:
         subkey = f"{name}@{ident.peer_id}" if name else ident.peer_id
         expires_at = float(get_dht_time()) + ttl_s
         data = seal(ident, body, expires_at=expires_at)
-        return bool(self.dht.store(key, data, expiration_time=expires_at, subkey=subkey))
+        stored = self.dht.store(key, data, expiration_time=expires_at, subkey=subkey, return_future=True)
+        return bool(stored.result(timeout=self.request_timeout_s))
 
     def get_all(self, key: str, cls: type[T], trusted: set[bytes] | None = None) -> dict[str, Signed[T]]:
         """All valid signed records under `key`, by subkey (signed by `trusted` keys, if given).
 
         Invalid records are dropped, counted in `rejected` and logged (a warning the first time a subkey
         fails, debug after that); none raises. Errors reaching the DHT itself do raise."""
-        found = self.dht.get(key, latest=True)
+        found = self.dht.get(key, latest=True, return_future=True).result(timeout=self.request_timeout_s)
         if found is None:
             return {}
         if not isinstance(found.value, dict):

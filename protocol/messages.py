@@ -99,6 +99,11 @@ class NodeAdvert:
     """Measured dense fp32 matmul TFLOP/s (0 = not measured)."""
     tflops_bf16: float = 0.0
     """Measured dense bf16 matmul TFLOP/s (0 = not measured)."""
+    ref_block: str = ""
+    """Which reference block (protocol/reference_block.py) `ref_block_s` timed ("" = none)."""
+    ref_block_s: float = 0.0
+    """Seconds of one forward + backward of that block in this node's default precision (0 = not
+    measured): the planner scales it to a run's stages (what the node sustains on training work)."""
     price_per_hour: float
     """What the provider charges, USD per hour."""
     host: str
@@ -138,6 +143,8 @@ class NodeAdvert:
             check_range(f"NodeAdvert.{name}", getattr(self, name), 0, MAX_MEMORY_GB)
         for name in ("tflops", "tflops_fp32", "tflops_bf16"):
             check_range(f"NodeAdvert.{name}", getattr(self, name), 0, MAX_TFLOPS)
+        _check_text("NodeAdvert.ref_block", self.ref_block, empty_ok=True)  # unknown names are ignored
+        check_range("NodeAdvert.ref_block_s", self.ref_block_s, 0, 3600)
         check_range("NodeAdvert.price_per_hour", self.price_per_hour, 0, MAX_PRICE_PER_HOUR)
         _check_port("NodeAdvert.port", self.port)
         _check_port("NodeAdvert.health_port", self.health_port)

@@ -376,7 +376,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--wire-dtype", default="float32", choices=["float32", "bfloat16", "float16"])
     p.add_argument("--lr", type=float, default=1e-3)
     p.add_argument("--compare-1f1b", action="store_true", help="add shaped_k32 with plain 1F1B (extra 0)")
-    p.add_argument("--quick", action="store_true", help="smoke run: M=4, 2 steps, 1 warm-up")
+    p.add_argument("--quick", action="store_true", help="smoke run: M=2, b=2, 2 steps, 1 warm-up")
     p.add_argument("--host", default="127.0.0.1", help="stage 1's address for the unshaped variant")
     p.add_argument("--shaped-host", default=None, help="stage 1's address for shaped variants (--host)")
     p.add_argument("--listen-host", default="127.0.0.1", help="where stage 1 listens (0.0.0.0 in netns)")
@@ -391,7 +391,7 @@ def main(argv: list[str] | None = None) -> int:
         serve_stage1(args.listen_host, args.accept_timeout_s)
         return 0
     if args.quick:
-        args.microbatches, args.steps, args.warmup = 4, 2, 1
+        args.microbatches, args.micro_batch, args.steps, args.warmup = 2, 2, 2, 1
     if not 0 <= args.warmup < args.steps:
         p.error(f"--warmup {args.warmup} must be in 0..steps-1 ({args.steps - 1})")
     if args.bandwidth_mbps <= 0 or args.delay_ms < 0:

@@ -7,7 +7,7 @@ final report.
   crucible-swarm --data ~/corpus --tokenizer tokenizer.json --data-in-store   # BPE; shards in the store
   crucible-swarm --steps 60 --H 30 --bandwidth-mbps 20 --delay-ms 5   # WAN-shaped pipeline links
 
-Before launch the planner calibrates on this machine (coordinator/calibrate.py) and prints its prediction;
+Before launch the planner calibrates on this machine (scripts/calibrate_local.py) and prints its prediction;
 progress lines and the report show predicted tokens/s next to measured.
 """
 
@@ -265,6 +265,8 @@ class Swarm:
         coordinator and the nodes again with the same key files (the store keeps the runs' state).
         Returns the exit codes of the graceful stops."""
         store = self.children[0]
+        for c in self.nodes:
+            c.terminate()
         codes = {c.name: c.stop() for c in reversed(self.children[1:])}
         self.children, self.nodes, self.health = [store], [], []
         self.generation += 1
@@ -399,6 +401,8 @@ class Swarm:
             with contextlib.suppress(subprocess.TimeoutExpired):
                 c.proc.wait(30)
         codes = {}
+        for c in self.nodes:  # the nodes all at once (each takes a moment to leave the DHT), then the rest
+            c.terminate()
         for c in reversed(self.children):
             codes[c.name] = c.stop()
         return codes
@@ -553,8 +557,8 @@ def calibrate_and_predict(run_toml: Path, store_url: str) -> tuple[dict, str] | 
     """The planner's calibration on this machine and its prediction for the run (None if it failed)."""
     from dataclasses import asdict
 
-    from coordinator.calibrate import CalibrationError, calibrate, describe, local_swarm_model
     from protocol.runspec import load_run_spec
+    from scripts.calibrate_local import CalibrationError, calibrate, describe, local_swarm_model
 
     try:
         spec = load_run_spec(run_toml)

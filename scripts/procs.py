@@ -22,6 +22,7 @@ class Child:
     def __init__(self, name: str, args: list[str], log_dir: Path, env: dict[str, str] | None = None) -> None:
         self.name = name
         self.killed = False
+        self._terminated = False
         self.log_path = log_dir / f"{name}.log"
         self._log = open(self.log_path, "wb")  # noqa: SIM115 - closed in stop()
         full_env = dict(os.environ)
@@ -69,12 +70,20 @@ class Child:
             os.killpg(self.proc.pid, signal.SIGKILL)
         self.proc.wait(10)
 
+    def terminate(self) -> None:
+        """SIGTERM the process once (stop() waits for it), so several children stop at once. Only the
+        process itself: it shuts down what it started (a node its DHT daemon, which it may still need
+        on the way out); stop() SIGKILLs whatever of the group is left."""
+        if self.proc.poll() is None and not self._terminated:
+            self._terminated = True
+            with contextlib.suppress(ProcessLookupError):
+                self.proc.send_signal(signal.SIGTERM)
+
     def stop(self, timeout_s: float = 20.0) -> int | None:
         """SIGTERM, wait, then SIGKILL the group; returns the exit code of the graceful stop (None if killed)."""
         code: int | None = None
         if self.proc.poll() is None:
-            with contextlib.suppress(ProcessLookupError):
-                os.killpg(self.proc.pid, signal.SIGTERM)
+            self.terminate()
             try:
                 code = self.proc.wait(timeout_s)
             except subprocess.TimeoutExpired:

@@ -31,7 +31,7 @@ def test_bench_pipeline_quick() -> None:
 
 
 def test_bench_subspace_quality_quick() -> None:
-    out = run_bench("scripts.bench_subspace_quality", "--quick")
+    out = run_bench("scripts.bench_subspace_quality", "--quick", "--seq-len", "64", "--batch", "4")
     assert out["fwd_bytes_subspace"] < out["fwd_bytes_dense"] and out["val_bpb_subspace"] > 0
     assert out["off_subspace"] < 1e-3  # the constrained stages keep the residual stream in span(U)
 
@@ -47,6 +47,10 @@ def test_sweep_quality_runs_bench_quality_per_seed_and_arm(tmp_path) -> None:  #
         str(tmp_path),
         "--",
         "--quick",
+        "--d-model",
+        "64",
+        "--batch",
+        "4",
     )
     assert out["failed"] == []
     assert set(out["val_bpb"]["1"]) == {"adamw", "sparseloco"}

@@ -1,4 +1,4 @@
-"""The planner's calibration step and its local-swarm prediction (coordinator/calibrate.py): no swarm.
+"""The planner's calibration step and its local-swarm prediction (scripts/calibrate_local.py): no swarm.
 
 Most tests feed a synthetic `Calibration` to `local_swarm_model`, whose answers follow in closed form;
 one starts two real stage probes on a small model. The swarm's measured side (`StepClock`) and the
@@ -12,16 +12,16 @@ from dataclasses import replace
 
 import pytest
 
-from coordinator.calibrate import (
+from coordinator.plan_spec import sync_compression_ratio
+from coordinator.planner import MODELS, ModelShape
+from protocol.runspec import ModelSpec, PipelineSpec, RunSpec, SyncSpec, TrainSpec
+from scripts.calibrate_local import (
     Calibration,
     calibrate,
     link_figures,
     local_swarm_model,
     predict_local_swarm,
-    sync_compression_ratio,
 )
-from coordinator.planner import MODELS, ModelShape
-from protocol.runspec import ModelSpec, PipelineSpec, RunSpec, SyncSpec, TrainSpec
 
 TOKENS_PER_STEP = 8 * 256  # the default TrainSpec batch x ModelSpec seq_len
 
@@ -180,7 +180,7 @@ def test_set_pipeline_sets_keys_once() -> None:
 
 
 def test_a_failing_probe_is_reported_with_its_error() -> None:
-    from coordinator.calibrate import CalibrationError, _Probe
+    from scripts.calibrate_local import CalibrationError, _Probe
 
     probe = _Probe(_spec(), stage=5)  # the run has 2 stages: the probe exits with a ValueError
     try:

@@ -9,9 +9,12 @@ from pathlib import Path
 import pytest
 import torch
 
+from coordinator.plan_inputs import sustained_tflops
 from node.device import DeviceError, claim_gpu, resolve_device, resolve_precision
 from node.inner_step import inner_step, make_optimizer, prepare_stage
 from node.model import build_stage, lm_loss
+from node.probe import measure_reference_block
+from protocol.reference_block import reference_block_for
 from protocol.runspec import ModelSpec, TrainSpec
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -146,3 +149,17 @@ def test_an_assignment_that_does_not_fit_is_refused_with_the_figures() -> None:
     reason = memory_refusal(assignment(huge), cpu, free)
     assert reason is not None and "stage 1 needs" in reason and "GB free" in reason
     assert "more stages" in reason
+
+
+@pytest.mark.parametrize("precision", ["fp32", "bf16"])
+def test_the_reference_block_is_timed_on_the_nodes_device(precision: str) -> None:
+    """What a node advertises as ref_block / ref_block_s: the CPU's shape, a positive time that the
+    planner turns into a sustained rate below the machine's plausible range (one thread)."""
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    try:
+        name, seconds = measure_reference_block(torch.device("cpu"), precision)
+    finally:
+        torch.set_num_threads(threads)
+    assert name == reference_block_for("cpu").name and seconds > 0
+    assert 1e-4 < sustained_tflops(name, seconds) < 10.0  # TFLOP/s of one CPU thread

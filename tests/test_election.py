@@ -49,13 +49,13 @@ def test_an_elected_coordinator_fails_over_and_the_deposed_one_is_stale(tmp_path
         cert = out / f"node{i}.cert"
         cert.write_bytes(issue(operator, ids[i].peer_id, expires_at=time.time() + 3600))
         args[i] = ["--coordinator-eligible", "--coordinator-certificate", str(cert)]
-        args[i] += ["--coordinator-lease-s", str(LEASE_S)]
+        args[i] += ["--coordinator-lease-s", str(LEASE_S), "--coordinator-churn-grace-s", "6"]
     swarm = Swarm(out, 4, node_args=args, coordinator=False)
     dht = None
     try:
         swarm.start()
         toml = tmp_path / "run.toml"
-        spec = RUN_TOML.format(run_id="swarm-e", steps=400, H=5, timeout=30)
+        spec = RUN_TOML.format(run_id="swarm-e", steps=5000, H=5, timeout=30)  # still training at the end
         toml.write_text(spec.replace("replicas = 2", "replicas = 1"))  # two spare nodes for a rebuild
         swarm.launch(toml)
         first = wait_until(lambda: _leader(out, ids), 60, "a candidate to take the run's lease")

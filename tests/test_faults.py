@@ -25,7 +25,7 @@ pytestmark = [pytest.mark.slow, pytest.mark.timeout(600)]
 
 
 def test_a_node_behind_a_failing_store_completes_its_rounds(tmp_path: Path) -> None:
-    run_id, H, rounds, window_s = "faulty-store", 4, 10, 12.0
+    run_id, H, rounds, window_s = "faulty-store", 4, 8, 8.0
     swarm = Swarm(tmp_path / "swarm", 1)
     proxy: FaultProxy | None = None
     try:

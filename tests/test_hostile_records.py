@@ -14,6 +14,7 @@ import sys
 import time
 from collections import Counter
 from collections.abc import Iterator
+from concurrent.futures import Future
 from typing import Any
 
 import msgpack
@@ -238,7 +239,13 @@ def test_get_all_drops_and_counts_every_bad_record(dhts, monkeypatch) -> None:
         "w@" + honest.peer_id: ValueWithExpiration(good.value, exp + 3600),  # outlives its signed expiry
         honest.peer_id: good,
     }
-    monkeypatch.setattr(reader.dht, "get", lambda key, latest=True: ValueWithExpiration(records, exp))
+
+    def answer(key: str, latest: bool = True, return_future: bool = False) -> object:
+        found: Future = Future()  # what hivemind's get returns with return_future=True
+        found.set_result(ValueWithExpiration(records, exp))
+        return found if return_future else found.result()
+
+    monkeypatch.setattr(reader.dht, "get", answer)
     monkeypatch.setattr(reader, "rejected", Counter(), raising=False)
     got = reader.get_all(keys.NODES_KEY, NodeAdvert)
     assert list(got) == [honest.peer_id]

@@ -21,9 +21,11 @@ from coordinator.placement import (
     repair,
     stage_needs,
 )
+from coordinator.plan_inputs import sustained_tflops
 from coordinator.planner import Layout, predict
 from protocol.memory import stage_memory
 from protocol.messages import NodeAdvert
+from protocol.reference_block import REFERENCE_BLOCKS
 from protocol.runspec import ModelSpec, RunSpec, TrainSpec
 
 GB = 10**9
@@ -282,3 +284,31 @@ def test_cost_model_from_the_run_spec() -> None:
     assert len(set(pl.slots.values())) == 4 and pl.tokens_per_s > 0
     with pytest.raises(ValueError, match="cost model has 2 stages, the placement 3"):
         place(nodes, 1, 3, cost=cost)
+
+
+def test_the_reference_block_time_sets_a_nodes_compute_rate() -> None:
+    """Nodes advertise the step time of a reference block (protocol/reference_block.py); the planner
+    turns it into the rate they sustain on training work (its FLOPs convention over the time) and uses
+    that instead of matmul peak x ceiling: for the prediction and for the layer split."""
+    ref = REFERENCE_BLOCKS["cpu-d256"]
+    flops = (6 * ref.layer_params + 14 * ref.d_model * ref.seq_len) * ref.tokens
+    assert sustained_tflops("cpu-d256", 0.02) == pytest.approx(flops / 0.02 / 1e12)
+    assert sustained_tflops("no-such-block", 0.02) == 0.0 and sustained_tflops("cpu-d256", 0.0) == 0.0
+
+    spec = RunSpec(run_id="ref", replicas=1, stages=2, model=ModelSpec(n_layers=32))
+    cost = CostModel.from_spec(spec)
+    pl = Placement({(0, 0): "a", (0, 1): "b"})
+
+    def timed(name: str, seconds: float) -> NodeAdvert:  # equal matmul peaks, different real speed
+        return dataclasses.replace(_node(name, 1.0, device="cpu"), ref_block="cpu-d256", ref_block_s=seconds)
+
+    slow, fast = (
+        {"a": timed("a", 0.04), "b": timed("b", 0.04)},
+        {"a": timed("a", 0.01), "b": timed("b", 0.01)},
+    )
+    assert _tokens_per_s(pl, fast, cost) > 2 * _tokens_per_s(pl, slow, cost)
+    # the stage whose node runs the block 3x faster takes about 3/4 of the layers; peaks alone split evenly
+    split = choose_layer_split(pl, {"a": timed("a", 0.03), "b": timed("b", 0.01)}, cost)
+    assert 6 <= split[0] <= 10 and sum(split) == 32, split
+    even = choose_layer_split(pl, {"a": _node("a", 1.0), "b": _node("b", 1.0)}, cost)
+    assert abs(even[0] - even[1]) <= 2, even

@@ -13,20 +13,21 @@ from pathlib import Path
 
 import pytest
 
-from scripts.local_swarm import Swarm
+from scripts.local_swarm import Swarm, set_pipeline
 from tests.test_swarm import RUN_TOML, run_metrics, wait_until
 
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(600)]
 
 
 def test_a_whole_swarm_restart_resumes_from_latest(tmp_path: Path) -> None:
-    run_id, H, steps = "restarted", 5, 200
+    run_id, H, steps = "restarted", 5, 100
     toml = tmp_path / "run.toml"
-    toml.write_text(
+    spec = (
         RUN_TOML.format(run_id=run_id, steps=steps, H=H, timeout=10)
         .replace("replicas = 2", "replicas = 1")
         .replace('method = "diloco"', 'method = "sparseloco"')
     )
+    toml.write_text(set_pipeline(spec, delay_ms=5))  # paced (<= ~40 steps/s): the stop lands mid-run anywhere
     swarm = Swarm(tmp_path / "swarm", 2)
     try:
         swarm.start()

@@ -119,6 +119,8 @@ def test_two_outer_rounds_identical_consensus(
     assert all(m["device"] == "cpu" and m["precision"] == "fp32" for m in ms)
     st = [s for s in swarm.statuses() if s]
     assert all(s["device"] == "cpu" and s["tflops_fp32"] > 0 and s["free_memory_gb"] > 0 for s in st)
+    # and what it sustains on training work: the reference block's time, which placement scales
+    assert all(s["ref_block"] == "cpu-d256" and s["ref_block_s"] > 0 for s in st)
     for stage in (0, 1):
         digests = {m["weights_sha256"] for m in ms if m["stage"] == stage}
         assert len(digests) == 1 and "" not in digests, f"stage {stage} replicas disagree: {digests}"

@@ -38,7 +38,7 @@ Reported: tokens/s from planner.predict at phi (one cost model); MFU against the
 peak, so the figure does not depend on how the cores were shared); tax = 1 - MFU / ceiling; $/Mtok at
 the nodes' advertised price per node-hour.
 
-  python -m coordinator.calibrate runs/<run>/run.toml [--store-endpoint http://127.0.0.1:PORT]
+  python -m scripts.calibrate_local runs/<run>/run.toml [--store-endpoint http://127.0.0.1:PORT]
 """
 
 from __future__ import annotations
@@ -56,6 +56,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass, replace
 
 from coordinator.accelerators import measure_cpu_tflops
+from coordinator.plan_spec import run_settings
 from coordinator.planner import (
     HostGroup,
     Layout,
@@ -70,9 +71,6 @@ from coordinator.planner import (
 from protocol.runspec import RunSpec, load_run_spec
 from protocol.schema import to_dict
 
-WIRE_BYTES = {"float32": 4, "bfloat16": 2, "float16": 2}
-FRAME_HEADER_BYTES = 32 + 4
-"""protocol/subspace.py's activation header (32) and the frame length prefix (4)."""
 NODE_USD_PER_HOUR = 0.10
 """What every local swarm node advertises (`crucible-node join --price-per-hour 0.10`)."""
 
@@ -386,48 +384,6 @@ def calibrate(
 
 
 # ------------------------------------------------------------------------------------- prediction
-def sync_compression_ratio(spec: RunSpec) -> float:
-    """Dense fp32 bytes / bytes on the wire of one outer-sync fragment: 1 for DiLoCo's dense fp32;
-    SparseLoCo's expected ratio for the largest stage (protocol.sparseloco_format.ratio)."""
-    if spec.sync.method != "sparseloco":
-        return 1.0
-    from protocol.sparseloco import SparseLoCoConfig
-    from protocol.sparseloco_format import ratio
-
-    m, s = spec.model, spec.sync
-    d, f, V = m.d_model, m.d_ff, m.vocab
-    layer = [(d,), (d, d), (d, d), (d, d), (d, d), (d,), (f, d), (f, d), (d, f)]  # node/model.py Block
-    best = 0.0
-    ranges = spec.layer_ranges()
-    for i, (a, b) in enumerate(ranges):
-        shapes = layer * (b - a)
-        shapes += [(V, d)] if i == 0 else []
-        shapes += [(d,), (V, d)] if i == len(ranges) - 1 else []
-        best = max(best, ratio(shapes, SparseLoCoConfig(chunk=s.chunk, k=s.k, beta=s.beta)))
-    return best
-
-
-def run_settings(spec: RunSpec, ceiling: float) -> RunSettings:
-    """The planner's settings for a run spec: its schedule, link width and wire dtype, sync cadence."""
-    d, S = spec.model.d_model, spec.stages
-    link_k = list(spec.pipeline.link_k) or [d] * (S - 1)
-    # a link sends min(link_k[b:]) columns (node/subspace_model.py); the planner takes one k: the widest
-    wire_k = [min(link_k[b:]) for b in range(S - 1)]
-    return RunSettings(
-        microbatches=spec.train.microbatches,
-        microbatch_size=spec.train.batch_size // spec.train.microbatches,
-        schedule="1f1b",
-        k=max(wire_k, default=d),
-        ceiling=ceiling,
-        H=spec.sync.H,
-        fragments=spec.sync.P,
-        tau=spec.sync.tau,
-        compression_ratio=sync_compression_ratio(spec),
-        bytes_per_value=WIRE_BYTES[spec.pipeline.wire_dtype],
-        header_bytes=FRAME_HEADER_BYTES,
-    )
-
-
 def local_swarm_model(spec: RunSpec, cal: Calibration) -> LocalSwarmModel:
     """Solve the CPU sharing phi (module docstring, point 2) and predict at it."""
     if len(cal.stage_step_s) != spec.stages or cal.processes != spec.replicas * spec.stages:
@@ -538,9 +494,9 @@ def describe(cal: Calibration, model: LocalSwarmModel) -> str:
 
 def main(argv: Sequence[str] | None = None) -> int:
     ap = argparse.ArgumentParser(
-        prog="python -m coordinator.calibrate",
+        prog="python -m scripts.calibrate_local",
         description="Calibrate the planner on this host for a run spec and predict the local swarm.",
-        epilog="example: python -m coordinator.calibrate runs/swarm-1/run.toml "
+        epilog="example: python -m scripts.calibrate_local runs/swarm-1/run.toml "
         "--store-endpoint http://127.0.0.1:5000",
     )
     ap.add_argument("run_toml", help="run spec (example: docs/examples/run.toml)")

@@ -449,10 +449,20 @@ def predict(shape: ModelShape, layout: Layout, settings: RunSettings) -> Predict
             f"{len(slow)} of {len(links)} link messages add to the step (k down to {min(ln.k for ln in slow)}): "
             "add bandwidth, lower k, or (1F1B) raise extra_in_flight to cover the round trips"
         )
-    if settings.tau > 0 and t_frag > window:  # tau = 0: no overlap asked for; sync_wait already counts it
-        warnings.append(
-            f"fragment transfer {t_frag:.1f} s exceeds the overlap window {window:.1f} s: raise tau or store bandwidth"
-        )
+    for r, (hosts, st) in enumerate(zip(layout.replicas, steps, strict=True)):
+        # each replica's store links against the fragment schedule: a fragment every H/P steps, each
+        # overlapping tau steps (tau = 0: no overlap asked for; sync_wait already counts the wait)
+        t_f, per_frag = st.fragment_transfer_s, settings.H / settings.fragments * st.step_s
+        over_window = settings.tau > 0 and t_f > settings.tau * st.step_s
+        if over_window or t_f > per_frag:
+            slow_store = min(hosts, key=lambda h: h.store_mbps)
+            budget = min(per_frag, settings.tau * st.step_s) if over_window else per_frag
+            warnings.append(
+                f"replica {r}: a fragment takes {t_f:.1f} s at its slowest store link ({slow_store.name}, "
+                f"{slow_store.store_mbps:.0f} Mbit/s), over the {budget:.1f} s the fragment schedule gives "
+                f"it (tau x step {settings.tau * st.step_s:.1f} s, H/P steps {per_frag:.1f} s): raise tau, H "
+                "or P, or place nodes with faster store links"
+            )
     return Prediction(
         tokens_per_s=tokens_per_s,
         effective_mfu=fig.effective_mfu,

@@ -309,3 +309,18 @@ def test_run_settings_validation() -> None:
 def test_accelerator_table_and_cpu_measurement() -> None:
     assert ACCELERATORS["a100-80gb"].peak_tflops == 312.0 and ACCELERATORS["h100-sxm"].peak_tflops == 989.0
     assert 0.0 < measure_cpu_tflops(n=128, repeats=2) < 100.0
+
+
+def test_each_replicas_store_links_are_checked_against_the_fragment_schedule() -> None:
+    """A replica whose node reaches the store at 1 Mbit/s cannot move a fragment in the steps the
+    schedule gives it: the prediction warns about that replica, naming the node and the fix; the replica
+    with fast store links is not named."""
+    fast, slow = _hosts(2), _hosts(2, store=1.0)
+    slow = [dataclasses.replace(h, name=f"slow{i}") for i, h in enumerate(slow)]
+    settings = RunSettings(H=10, fragments=2, tau=1)
+    p = predict(UNIFORM, Layout(replicas=(tuple(fast), tuple(slow)), layers=(4, 4)), settings)
+    notes = [w for w in p.warnings if "fragment takes" in w]
+    assert len(notes) == 1 and notes[0].startswith("replica 1:") and "slow" in notes[0], p.warnings
+    assert "raise tau, H or P" in notes[0]
+    ok = predict(UNIFORM, Layout(replicas=(tuple(fast), tuple(_hosts(2))), layers=(4, 4)), settings)
+    assert not [w for w in ok.warnings if "fragment takes" in w], ok.warnings

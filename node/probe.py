@@ -28,22 +28,24 @@ def memory_gb(device: torch.device) -> float:
 
 
 def measure_tflops(device: torch.device, dtype: torch.dtype, n: int = 512, seconds: float = 0.3) -> float:
-    """Dense matmul throughput of `dtype` on `device`: 2 n^3 FLOPs per product, timed over ~`seconds`
-    (n >= 4096 on a GPU, whose small products are launch-bound)."""
+    """Dense matmul peak of `dtype` on `device`: 2 n^3 FLOPs over the fastest single product in ~`seconds`
+    (n >= 4096 on a GPU, whose small products are launch-bound). The fastest, not the mean: nodes start
+    while other processes start too, and a peak averaged over their work would read low (an MFU against
+    it, above 100%)."""
     if device.type == "cuda":
         n = max(n, 4096)
     a = torch.randn(n, n, device=device, dtype=dtype)
     b = torch.randn(n, n, device=device, dtype=dtype)
     a @ b  # warm-up
     synchronize(device)
-    iters, start = 0, time.perf_counter()
-    while time.perf_counter() - start < seconds:
+    best, iters, start = float("inf"), 0, time.perf_counter()
+    while iters < 3 or time.perf_counter() - start < seconds:
+        t0 = time.perf_counter()
         a @ b
+        synchronize(device)  # the clock must time work done, not work queued
+        best = min(best, time.perf_counter() - t0)
         iters += 1
-        if device.type == "cuda" and iters % 8 == 0:
-            synchronize(device)  # the clock must time work done, not work queued
-    synchronize(device)
-    return 2 * n**3 * iters / (time.perf_counter() - start) / 1e12
+    return 2 * n**3 / best / 1e12
 
 
 def measure_store_mbps(store: ObjectStore, nbytes: int = 1 << 20) -> float:

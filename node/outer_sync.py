@@ -643,7 +643,9 @@ class OuterSync:
         own_digest = keys.content_digest(data)
         g = _Gathered()
         bad_records: set[bytes] = set()
-        deadline = time.monotonic() + self.timeout_s
+        started = time.monotonic()
+        deadline = started + self.timeout_s
+        expected = self._slots()  # a replica that drops out while we wait still missed this round
         backoff = _Backoff(self.poll_s, self.poll_max_s)
         listed = False
         rec: RoundRecord | None = None
@@ -696,18 +698,21 @@ class OuterSync:
                 fid,
                 why_not_ours,
             )
-        missing = self._slots() - set(contribs) - {me}
+        missing = (expected | self._slots()) - set(contribs) - {me}
         if missing:
             with self._lock:
                 self.stats.missing += len(missing)
+            gone = missing - self._slots()
             log.warning(
-                "run %s stage %d round %d fragment %d: replicas %s did not arrive within %.0f s; aggregating %s",
+                "run %s stage %d round %d fragment %d: replicas %s did not arrive %s; aggregating %s",
                 fid.run_id,
                 fid.stage,
                 fid.round,
                 fid.fragment,
                 sorted(missing),
-                self.timeout_s,
+                f"(dropped out after {time.monotonic() - started:.1f} s)"
+                if gone == missing
+                else f"within {self.timeout_s:.0f} s",
                 sorted(contribs),
             )
         return _Exchanged(contribs, None if ours_used else own)

@@ -552,3 +552,37 @@ def test_a_record_a_stranger_signed_is_not_adopted(store: ObjectStore, closer: l
     assert [s.stats.last_contributors for s in syncs] == [[0, 1], [0, 1]]
     assert all(s.stats.rejected == 1 for s in syncs)
     assert_same_anchors(syncs)
+
+
+def test_a_replica_that_drops_out_mid_round_ends_the_wait_and_counts_as_missing(
+    store: ObjectStore, closer: list[OuterSync]
+) -> None:
+    """Replicas 0 and 1 train; replica 2 (listed) never uploads. 1 s into the round's 20 s wait the
+    coordinator's drop-out reaches both (set_stage_peers without replica 2): the round settles at once on
+    {0, 1}, replica 2 counts as missing for that round, and the next round waits for no one."""
+    import threading
+
+    H = 2
+    run_id, syncs = make_replicas(store, SHAPES, R=2, H=H, expected=3)
+    closer.extend(syncs)
+    for s in syncs:
+        s.timeout_s = 20.0
+    survivors = {r: IDS[r].peer_id for r in range(2)}
+    timers = [threading.Timer(1.0, s.set_stage_peers, (survivors,)) for s in syncs]
+    for t in timers:
+        t.start()
+    started = time.monotonic()
+    try:
+        for _ in lockstep(syncs, range(1, H + 1)):
+            pass
+    finally:
+        for t in timers:
+            t.cancel()
+    assert time.monotonic() - started < 10, "the drop-out did not end the wait"
+    assert [s.stats.last_contributors for s in syncs] == [[0, 1], [0, 1]]
+    assert [s.stats.missing for s in syncs] == [1, 1]
+    assert_same_anchors(syncs)
+    started = time.monotonic()
+    for _ in lockstep(syncs, range(H + 1, 2 * H + 1)):
+        pass
+    assert time.monotonic() - started < 5 and [s.stats.missing for s in syncs] == [1, 1]

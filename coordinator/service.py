@@ -277,14 +277,18 @@ class Coordinator:
             return
         run.placement = Placement({(a.replica, a.stage): a.peer_id for a in mine})
         run.epoch = max(a.epoch for a in mine)
+        # replicas that dropped out: placed, but left out of the stage_peers of the newest assignments
+        listed = {int(r) for a in mine if a.epoch == run.epoch for r in a.stage_peers}
+        run.dropped = {r for r, _ in run.placement.slots} - listed
         run.former = self._former_of(mine, include_holders=False)
         run.started = time.monotonic()
         log.info(
-            "run %s: adopted the placement of term %d epoch %d (%d nodes)",
+            "run %s: adopted the placement of term %d epoch %d (%d nodes%s)",
             run.record.spec.run_id,
             max(a.term for a in mine),
             run.epoch,
             len(mine),
+            f"; replicas {sorted(run.dropped)} dropped out" if run.dropped else "",
         )
         # re-issued at once under our term, signed by us: the nodes (training on) now hold our term, so
         # whatever the deposed leader still signs at its lower term is stale to them

@@ -78,10 +78,14 @@ def test_a_garbage_lease_object_does_not_reset_the_term(store: ObjectStore) -> N
     assert again is not None and again.lease.term == 9
 
 
-def test_a_coordinator_taking_over_a_running_run_adopts_its_placement(store: ObjectStore) -> None:
+@pytest.mark.parametrize("dropped", [False, True], ids=["all-replicas", "replica-1-dropped-out"])
+def test_a_coordinator_taking_over_a_running_run_adopts_its_placement(
+    store: ObjectStore, dropped: bool
+) -> None:
     """Issue 10 finding 4, last part: the new holder of a running run's lease had no placement and raised
     AssertionError on every tick. It now adopts the placement, assignments and epoch the previous holder
-    archived in the store, under a higher term, and its tick goes on."""
+    archived in the store, under a higher term, and its tick goes on. A replica that had dropped out (the
+    survivors' newest assignments leave it out of stage_peers) stays out under the new holder."""
     import msgpack
 
     from coordinator.service import Coordinator
@@ -94,17 +98,23 @@ def test_a_coordinator_taking_over_a_running_run_adopts_its_placement(store: Obj
     nodes = {(r, s): Identity.generate().peer_id for r in range(2) for s in range(2)}
     crashed = try_acquire(store, OPERATOR, rid, 30, now=time.time() - 100)  # the old holder's lease lapsed
     assert crashed is not None and crashed.lease.term == 1
-    archive = [
-        seal(
+
+    def assignment(r: int, s: int, epoch: int, replicas: int) -> bytes:
+        return seal(
             OPERATOR,
             Assignment(
-                run_id=rid, term=1, epoch=3, peer_id=peer, replica=r, stage=s,
+                run_id=rid, term=1, epoch=epoch, peer_id=nodes[(r, s)], replica=r, stage=s,
                 layers=list(spec.layer_ranges()[s]), spec=spec,
-                stage_peers={str(rr): nodes[(rr, s)] for rr in range(2)},
+                stage_peers={str(rr): nodes[(rr, s)] for rr in range(replicas)},
             ),
-        )
-        for (r, s), peer in nodes.items()
-    ]  # fmt: skip
+        )  # fmt: skip
+
+    # dropped: the survivors (replica 0) were re-assigned at epoch 3 without replica 1, whose nodes still
+    # hold their epoch-2 assignments
+    archive = [
+        assignment(r, s, 2, 2) if dropped and r == 1 else assignment(r, s, 3, 1 if dropped else 2)
+        for r, s in nodes
+    ]
     store.put(keys.assign_key(rid, 1, 3), msgpack.packb(archive))
     dht = DHTClient(OPERATOR)
     try:
@@ -119,6 +129,7 @@ def test_a_coordinator_taking_over_a_running_run_adopts_its_placement(store: Obj
         assert run.lease.lease.term == 2
         assert run.placement is not None and run.placement.slots == nodes
         assert run.epoch == 3 and set(run.assignments) == set(nodes.values())
+        assert run.dropped == ({1} if dropped else set())
     finally:
         dht.shutdown()
 

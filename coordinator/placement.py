@@ -38,7 +38,7 @@ import statistics
 from collections.abc import Callable, Iterator, Mapping, Sequence
 from dataclasses import dataclass, field
 
-from coordinator.plan_inputs import MODELS, Host, ModelShape, RunSettings, sustained_tflops
+from coordinator.plan_inputs import MODELS, Host, ModelShape, RunSettings, compute_tflops, sustained_tflops
 from coordinator.plan_layout import Layout, balance_layers, stage_work
 from coordinator.plan_links import activation_bytes, id_bytes
 from coordinator.plan_spec import run_settings
@@ -666,7 +666,7 @@ def choose_boundary_k(
 def compute_rate(a: NodeAdvert, ceiling: float) -> float:
     """TFLOP/s a node runs a stage's FLOPs at: its reference block's sustained rate when it advertised
     one, else its matmul peak x ceiling."""
-    return sustained_tflops(a.ref_block, a.ref_block_s) or max(a.tflops, MIN_TFLOPS) * ceiling
+    return compute_tflops(sustained_tflops(a.ref_block, a.ref_block_s), max(a.tflops, MIN_TFLOPS), ceiling)
 
 
 def choose_layer_split(

@@ -185,7 +185,12 @@ class Host:
 
     def compute_tflops(self, ceiling: float) -> float:
         """The rate a stage's FLOPs run at on this host: measured if it was, else peak x ceiling."""
-        return self.sustained_tflops if self.sustained_tflops > 0 else self.peak_tflops * ceiling
+        return compute_tflops(self.sustained_tflops, self.peak_tflops, ceiling)
+
+
+def compute_tflops(sustained: float, peak: float, ceiling: float) -> float:
+    """The one rule for a stage's compute rate: the sustained rate where measured, else peak x ceiling."""
+    return sustained if sustained > 0 else peak * ceiling
 
 
 def sustained_tflops(

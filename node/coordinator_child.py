@@ -11,7 +11,6 @@ restarts a child that exits, with exponential backoff, and stops it when the nod
 from __future__ import annotations
 
 import contextlib
-import ctypes
 import logging
 import os
 import signal
@@ -21,19 +20,13 @@ import threading
 import time
 from pathlib import Path
 
+from protocol.signals import die_with_parent
+
 log = logging.getLogger(__name__)
 
 BACKOFF_MIN_S, BACKOFF_MAX_S = 1.0, 60.0
-PR_SET_PDEATHSIG = 1
 HEALTHY_AFTER_S = 60.0
 """A child that ran this long resets the backoff."""
-
-
-def _die_with_parent() -> None:
-    """In the child before exec (Linux): SIGKILL it when the node dies, however the node dies, so a
-    crashed node's coordinator does not go on leading without it."""
-    with contextlib.suppress(OSError, AttributeError):
-        ctypes.CDLL("libc.so.6", use_errno=True).prctl(PR_SET_PDEATHSIG, signal.SIGKILL)
 
 
 class CoordinatorChild:
@@ -60,7 +53,7 @@ class CoordinatorChild:
                 stderr=subprocess.STDOUT,
                 stdin=subprocess.DEVNULL,
                 start_new_session=True,  # its DHT daemon goes with it on stop
-                preexec_fn=_die_with_parent,
+                preexec_fn=die_with_parent,  # a crashed node's coordinator does not lead on without it
                 env={**os.environ, **self.env, "PYTHONUNBUFFERED": "1"},
             )
         self._started = time.monotonic()

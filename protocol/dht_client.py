@@ -7,11 +7,8 @@ so a bad record cannot halt a coordinator's tick or a node's poll, which serve e
 
 from __future__ import annotations
 
-import contextlib
-import ctypes
 import logging
 import os
-import signal
 import tempfile
 import threading
 from collections import Counter
@@ -26,6 +23,7 @@ from protocol.dht_validator import SignedSubkeyValidator, subkey_owner
 from protocol.envelope import Signed, open_envelope, seal
 from protocol.identity import Identity, SignatureError
 from protocol.schema import ProtocolError, describe
+from protocol.signals import die_with_parent
 
 log = logging.getLogger(__name__)
 T = TypeVar("T")
@@ -68,9 +66,6 @@ def validate_multiaddr(addr: str) -> str:
     return str(m)
 
 
-PR_SET_PDEATHSIG = 1
-
-
 class _DHT(hivemind.DHT):
     """hivemind's DHT process, made to die with the process that started it (Linux): a node or
     coordinator killed by SIGKILL or the OOM killer must not leave its DHT peer serving on without it
@@ -84,8 +79,7 @@ class _DHT(hivemind.DHT):
 
     def run(self) -> None:
         if self._die_with_parent:
-            with contextlib.suppress(OSError, AttributeError):
-                ctypes.CDLL("libc.so.6", use_errno=True).prctl(PR_SET_PDEATHSIG, signal.SIGKILL)
+            die_with_parent()
             if os.getppid() != self._parent_pid:  # the parent died before prctl took effect
                 os._exit(0)
         super().run()

@@ -8,6 +8,8 @@ of every thread go to stderr, and the process exits. A second signal exits at on
 
 from __future__ import annotations
 
+import contextlib
+import ctypes
 import faulthandler
 import logging
 import os
@@ -20,6 +22,14 @@ from collections.abc import Callable
 log = logging.getLogger(__name__)
 
 DEFAULT_GRACE_S = 10.0
+PR_SET_PDEATHSIG = 1
+
+
+def die_with_parent() -> None:
+    """In a child process (Linux): the kernel SIGKILLs it when the thread that started it ends, however
+    its parent dies (SIGKILL, the OOM killer), so no child goes on serving without its parent."""
+    with contextlib.suppress(OSError, AttributeError):
+        ctypes.CDLL("libc.so.6", use_errno=True).prctl(PR_SET_PDEATHSIG, signal.SIGKILL)
 
 
 def install_stop_signals(on_stop: Callable[[], None], grace_s: float = DEFAULT_GRACE_S) -> None:

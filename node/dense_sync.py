@@ -56,5 +56,8 @@ class DenseCodec(FragmentCodec):
     def restore(self, fid: FragmentId, unsent: list[torch.Tensor]) -> None:
         """DiLoCo keeps no error feedback: a pseudo-gradient that did not land is dropped."""
 
+    def residual(self, fragment: int) -> list[torch.Tensor]:
+        return []  # nothing carried between rounds
+
 
 __all__ = ["DenseCodec", "fragment_header"]

@@ -89,6 +89,11 @@ class FragmentCodec(Protocol):
         """Our upload of `fid` did not land: keep `unsent` (what encode returned) for a later round."""
         ...
 
+    def residual(self, fragment: int) -> list[torch.Tensor]:
+        """What the codec carries into `fragment`'s next encode, one tensor per parameter of the fragment
+        (SparseLoCo: its error feedback), for the round owner to confine; [] if nothing (yet)."""
+        ...
+
     identity: Identity
     """Signs our fragments and the round records we write."""
 
@@ -112,6 +117,25 @@ class FragmentCodec(Protocol):
 
 
 Aggregator = Callable[[dict[int, list[torch.Tensor]]], list[torch.Tensor]]
+
+
+class Confinement(Protocol):
+    """Parameters confined to a subspace (the subspace links', node/subspace_model.py), by index into
+    OuterSync's params. A sparse, quantized Delta_bar leaves the subspace; projecting it before the outer
+    step keeps the anchor in it, and must give the same bits on every replica."""
+
+    def consensus(self, i: int, t: torch.Tensor) -> torch.Tensor:
+        """proj(t) of parameter i's host tensor, bit-identical on every host (t if unconstrained)."""
+        ...
+
+    def local_(self, i: int, t: torch.Tensor) -> None:
+        """t <- proj(t) in place on t's device (local state, e.g. error feedback)."""
+        ...
+
+
+ANCHOR_IN_SPAN = "sync.anchor_in_span"
+"""Checkpoint tensor marking an anchor kept in its subspace (builds before that let it drift off: such a
+checkpoint's anchor is projected on restore, identically on every replica)."""
 
 
 @dataclass
@@ -236,11 +260,13 @@ class OuterSync:
         local: LocalState | None = None,
         checkpoints: StageCheckpoints | None = None,
         checkpoint_every: int = 1,
+        confine: Confinement | None = None,
     ) -> None:
         """poll_s, poll_max_s: the first and the longest wait between two polls of the store for the
         other replicas' fragments (exponential backoff). local and checkpoints: what step_done()
         checkpoints, every `checkpoint_every` rounds, and where (neither: no checkpoints, as in the
-        benchmarks)."""
+        benchmarks). confine: the parameters confined to a subspace, whose Delta_bar and codec residual
+        are projected onto it (None: none are)."""
         if not 0 <= tau < H or not 0 < P <= H:
             raise ValueError(f"need 0 <= tau < H and 0 < P <= H, got H={H} P={P} tau={tau}")
         if not 0 < poll_s <= poll_max_s:
@@ -254,6 +280,7 @@ class OuterSync:
         self.timeout_s, self.poll_s, self.poll_max_s = timeout_s, poll_s, poll_max_s
         self.aggregate = aggregate
         self.local, self.checkpoints, self.checkpoint_every = local, checkpoints, checkpoint_every
+        self.confine = confine
         # strided fragments spread big and small tensors evenly: param i belongs to fragment i % P
         self.fragments = [list(range(f, len(params), P)) for f in range(P)]
         self.q = H // P
@@ -324,6 +351,8 @@ class OuterSync:
         out = {f"anchor.{n}": a for n, a in zip(names, self.anchor, strict=True)}
         out.update({f"outer_m.{n}": m for n, m in zip(names, self.outer_m, strict=False)})
         out.update({f"codec.{k}": v for k, v in self.codec.state().items()})
+        if self.confine is not None:
+            out[ANCHOR_IN_SPAN] = torch.ones(1)
         return out
 
     def load_state_tensors(self, names: list[str], state: dict[str, torch.Tensor]) -> None:
@@ -333,6 +362,12 @@ class OuterSync:
                 a.copy_(state[f"anchor.{n}"].to(a.device, a.dtype))
             for n, m in zip(names, self.outer_m, strict=False):
                 m.copy_(state[f"outer_m.{n}"].to(m.device, m.dtype))
+            if self.confine is not None and ANCHOR_IN_SPAN not in state:
+                # written before anchors were kept in span: every replica that restores it projects the
+                # same bits the same way, so the consensus stays one (and in span from here on)
+                for ts in (self.anchor, self.outer_m):
+                    for i, t in enumerate(ts):
+                        t.copy_(self.confine.consensus(i, t.cpu()).to(t.device))
         self.codec.load_state({k[len("codec.") :]: v for k, v in state.items() if k.startswith("codec.")})
 
     def save_checkpoint(self, step: int, rnd: int) -> None:
@@ -376,6 +411,9 @@ class OuterSync:
     # --- phases -----------------------------------------------------------------------------------
     def _capture(self, f: int, rnd: int, step: int) -> None:
         idx = self.fragments[f]
+        if self.confine is not None:  # what error feedback carries off the span would be re-sent forever
+            for j, e in enumerate(self.codec.residual(f)):
+                self.confine.local_(idx[j], e)
         with torch.no_grad():
             theta = [self.params[i].detach().clone() for i in idx]
             delta = [self.anchor[i] - t for i, t in zip(idx, theta, strict=True)]  # Delta = anchor - local
@@ -798,6 +836,8 @@ class OuterSync:
         # nothing arrived, not even ours: the anchor stays and the replica restarts from it (+ drift)
         delta_bar = self.aggregate(ex.contribs) if ex.contribs else None
         idx = self.fragments[p.fid.fragment]
+        if delta_bar is not None and self.confine is not None:  # on the host, before it meets the anchor
+            delta_bar = [self.confine.consensus(i, t) for i, t in zip(idx, delta_bar, strict=True)]
         with torch.no_grad():
             for j, i in enumerate(idx):
                 if delta_bar is not None:

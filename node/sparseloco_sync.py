@@ -112,6 +112,10 @@ class SparseLoCoCodec(FragmentCodec):
         for e, u in zip(self.e[fid.fragment], unsent, strict=True):
             e.add_(u.to(e.device))
 
+    def residual(self, fragment: int) -> list[torch.Tensor]:
+        """e_f: the error feedback the next encode of `fragment` starts from (updated in place)."""
+        return self.e.get(fragment, [])
+
     @property
     def signer(self) -> str:
         return self.identity.peer_id

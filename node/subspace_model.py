@@ -131,6 +131,78 @@ def project_grads_(stage: Stage) -> None:
 
 
 @torch.no_grad()
+def consensus_projection(t: torch.Tensor, U_k: torch.Tensor, side: Side) -> torch.Tensor:
+    """proj(t) as every replica computes it for the consensus, bit for bit on any host: U U^T W ("out") or
+    E U U^T ("rows") of a host tensor, in float64, cast to t's dtype.
+
+    A BLAS matmul's summation order depends on the CPU (blocking, SIMD width, threads) and the GPU's on
+    its kernels, so neither may touch a consensus. Here both products are sums of outer products taken
+    in ascending order, each an elementwise IEEE multiply and add, which round the same everywhere:
+
+        C = sum_i  U[i, :]^T X[i, :]      # (k, n) = U^T X, i = 0 .. d-1
+        Y = sum_j  U[:, j]   C[j, :]      # (d, n) = U C,   j = 0 .. k-1
+
+    Cost 2 d k n multiply-adds per weight (d = 256, k = 32: ~5 ms for a 256 x 688 writer on one core).
+    """
+    if t.device.type != "cpu":
+        raise ValueError(f"the consensus projection runs on the host, got a tensor on {t.device}")
+    X = t.double() if side == "out" else t.double().T  # (d, n); rows: E U U^T = (U U^T E^T)^T
+    U = U_k.to("cpu", torch.float64)  # (d, k)
+    d, k = U.shape
+    if X.shape[0] != d:
+        raise ValueError(f"cannot project a {tuple(t.shape)} {side!r} tensor onto a basis of {d} rows")
+    C = torch.zeros(k, X.shape[1], dtype=torch.float64)  # (k, n)
+    for i in range(d):
+        C.add_(U[i, :, None] * X[i, None, :])
+    Y = torch.zeros_like(X)  # (d, n)
+    for j in range(k):
+        Y.add_(U[:, j, None] * C[j, None, :])
+    return (Y if side == "out" else Y.T).to(t.dtype).contiguous()
+
+
+@dataclass(frozen=True)
+class Confinement:
+    """The stage's constraints as the outer loop sees them: parameter index (in `stage.parameters()`
+    order) -> (U_k, side). A sparse, quantized aggregate leaves span(U_k), so the round owner projects
+    Delta_bar before the outer step (`consensus`, on the host: the anchor stays in span identically on
+    every replica) and the error-feedback buffers (`local_`, where they live: local state, so a device
+    matmul is fine), so that no top-k budget goes to components the model cannot use."""
+
+    by_index: dict[int, tuple[torch.Tensor, Side]]
+
+    def consensus(self, i: int, t: torch.Tensor) -> torch.Tensor:
+        """proj(t) of parameter i's host tensor, identical on every host; t itself if i is unconstrained."""
+        c = self.by_index.get(i)
+        return t if c is None else consensus_projection(t, c[0], c[1])
+
+    @torch.no_grad()
+    def local_(self, i: int, t: torch.Tensor) -> None:
+        """t <- proj(t) in place, on t's device (local state: bits may differ between hosts)."""
+        c = self.by_index.get(i)
+        if c is not None:
+            t.copy_(_project(t, c[0].to(t.device), c[1]))
+
+    def off_span(self, i: int, t: torch.Tensor) -> float:
+        """||t - proj(t)|| / ||t|| (0 for an unconstrained parameter)."""
+        c = self.by_index.get(i)
+        if c is None:
+            return 0.0
+        t = t.detach().to("cpu", torch.float64)
+        return float((t - _project(t, c[0].double(), c[1])).norm() / t.norm().clamp_min(1e-30))
+
+
+def confinement(stage: Stage) -> Confinement | None:
+    """The Confinement of a constrained stage (after constrain_stage), None when every link is dense. U_k
+    is kept on the host in float32 (the bits basis() gives every replica)."""
+    constraints: tuple[Constraint, ...] = getattr(stage, "subspace_constraints", ())
+    if not constraints:
+        return None
+    index = {name: i for i, (name, _) in enumerate(stage.named_parameters())}
+    U = stage.get_buffer("subspace_U").detach().cpu()
+    return Confinement({index[c.name]: (U[:, : c.k].contiguous(), c.side) for c in constraints})
+
+
+@torch.no_grad()
 def off_subspace(stage: Stage) -> float:
     """Largest ||W - proj(W)|| / ||W|| over the constrained weights (0 when exact); a health check."""
     worst = 0.0

@@ -31,7 +31,7 @@ from node.outer_sync import LocalState, OuterSync
 from node.schedule import PipelineStage
 from node.sparseloco_sync import make_sync_parts
 from node.stage_checkpoints import StageCheckpoints
-from node.subspace_model import boundary_codecs, constrain_stage, project_weights_
+from node.subspace_model import boundary_codecs, confinement, constrain_stage, project_weights_
 from node.transport import Link, Shaper, connect
 from protocol import keys
 from protocol.checkpoint import Checkpoint
@@ -283,6 +283,7 @@ class StageWorker:
                 local=local,
                 checkpoints=self.checkpoints,
                 checkpoint_every=spec.sync.checkpoint_every,
+                confine=confinement(module),  # the anchor stays in span(U), identically on every replica
             )
             self.sync = sync
             if ck is not None:

@@ -619,7 +619,7 @@ def cmd_export(args: argparse.Namespace) -> int:
     trusted = {check_peer_id("--operator-key", args.operator_key)}
     spec, rnd, states = consensus_states(_store(args), args.run_id, trusted, args.round)
     out = Path(args.out).expanduser()
-    export_llama(spec, states, out)
+    export_llama(spec, states, out, origin=f"round {rnd} of run {spec.run_id}")
     n = sum(int(t.numel()) for st in states for k, t in st.items())
     print(
         f"exported run {spec.run_id} round {rnd}: {out}/model.safetensors ({n:,} values), {out}/config.json"

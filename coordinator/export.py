@@ -18,7 +18,9 @@ token-dependent and rank-k_b, so HF Llama cannot express it in general; it is th
 X - T[x] = E[x] + sum of writer outputs lies in span(U_b), which the swarm maintains by projecting every
 constrained writer after each inner and outer step and on loading a checkpoint (`project_weights_`). The
 export applies that same projection (W <- U_k U_k^T W, E <- E U_k U_k^T, idempotent on a consensus) and
-refuses weights that lie far off the span: those come from another run spec (link_k, projection_seed).
+refuses weights that lie far off the span: those come from another run spec (link_k, projection_seed), or,
+under the run's own spec, from a checkpoint whose anchor drifted (builds before the outer step kept the
+anchor in span: node/outer_sync.py, `consensus_projection`).
 
 Permutation: with hd the head width, head h's rows are reordered to
 `h*hd + [0, 2, ..., hd-2, 1, 3, ..., hd-1]`. Then HF's first half holds the even components, the second
@@ -135,21 +137,35 @@ def residual_spans(spec: RunSpec) -> tuple[int | None, dict[int, int]]:
     return plan.embed_k, dict(plan.write_k)
 
 
-def _project(name: str, W: torch.Tensor, U_k: torch.Tensor, rows: bool, seed: int) -> torch.Tensor:
-    """W <- U U^T W (a Linear writing the residual) or E <- E U U^T (embedding rows); checks the drift."""
+def _project(
+    name: str, W: torch.Tensor, U_k: torch.Tensor, rows: bool, seed: int, origin: str | None
+) -> torch.Tensor:
+    """W <- U U^T W (a Linear writing the residual) or E <- E U U^T (embedding rows); checks the drift.
+    origin: where the weights come from when the spec is known to be theirs (the run's own signed spec):
+    then an off-span weight is a consensus that drifted, not a wrong spec."""
     P = (W @ U_k) @ U_k.T if rows else U_k @ (U_k.T @ W)
     off = float((W - P).norm() / W.norm().clamp_min(1e-30))
-    if off > OFF_SPAN_TOL:
+    if off <= OFF_SPAN_TOL:
+        return P
+    where = f"{name} is {off:.1%} outside span(U[:, :{U_k.shape[1]}]) of projection_seed {seed}"
+    if origin is None:
         raise ValueError(
-            f"{name} is {off:.1%} outside span(U[:, :{U_k.shape[1]}]) of projection_seed "
-            f"{seed}: these weights were not trained with this run spec's pipeline.link_k / "
+            f"{where}: these weights were not trained with this run spec's pipeline.link_k / "
             "projection_seed (a consensus lies in the span to ~1e-7)"
         )
-    return P
+    raise ValueError(
+        f"{where} in {origin}, under the run's own spec: its consensus anchor drifted off the span (a "
+        "checkpoint written by a build before anchors were kept in span(U)); resume the run with this "
+        "build, which projects the anchor on restore identically on every replica, and export a round "
+        "checkpointed after that"
+    )
 
 
-def fold_to_llama(spec: RunSpec, state: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
-    """Crucible parameters (merged, float32) -> LlamaForCausalLM's state dict (see the module docstring)."""
+def fold_to_llama(
+    spec: RunSpec, state: dict[str, torch.Tensor], origin: str | None = None
+) -> dict[str, torch.Tensor]:
+    """Crucible parameters (merged, float32) -> LlamaForCausalLM's state dict (see the module docstring).
+    origin: names the checkpoint when `spec` is its run's own (see `_project`)."""
     m = spec.model
     d, hd = m.d_model, m.d_model // m.n_heads
     state = dict(state)
@@ -160,8 +176,8 @@ def fold_to_llama(spec: RunSpec, state: dict[str, torch.Tensor]) -> dict[str, to
         for layer, k in write_k.items():
             for writer in ("attn.wo.weight", "mlp.w_down.weight"):
                 name = f"layers.{layer}.{writer}"
-                state[name] = _project(name, state[name], U[:, :k], rows=False, seed=seed)
-        E = _project("embed.weight", state["embed.weight"], U[:, :embed_k], rows=True, seed=seed)  # (V, d)
+                state[name] = _project(name, state[name], U[:, :k], False, seed, origin)
+        E = _project("embed.weight", state["embed.weight"], U[:, :embed_k], True, seed, origin)  # (V, d)
         state["embed.weight"] = E + token_table(m.vocab, d, seed, embed_k)  # h_0 = E[x] + T[x]
     # interleaved RoPE pairs -> rotate_half's halves, per head: rows h*hd + [0, 2, .., 1, 3, ..]
     within = torch.cat((torch.arange(0, hd, 2), torch.arange(1, hd, 2)))  # (hd,)
@@ -208,11 +224,13 @@ def llama_config(spec: RunSpec) -> dict[str, object]:
     }
 
 
-def export_llama(spec: RunSpec, stage_states: list[dict[str, torch.Tensor]], out_dir: Path) -> None:
+def export_llama(
+    spec: RunSpec, stage_states: list[dict[str, torch.Tensor]], out_dir: Path, origin: str | None = None
+) -> None:
     """Merge the consensus stages of `spec` into `out_dir`/model.safetensors + config.json (float32), loadable
     offline with `transformers.LlamaForCausalLM.from_pretrained(out_dir)`. Each file is written to a
     temporary name first and renamed, so a reader never sees half a checkpoint."""
-    tensors = fold_to_llama(spec, merge_stages(spec, stage_states))
+    tensors = fold_to_llama(spec, merge_stages(spec, stage_states), origin)
     out_dir = Path(out_dir)
     out_dir.mkdir(parents=True, exist_ok=True)
     meta = {"format": "pt", "crucible_run_id": spec.run_id}

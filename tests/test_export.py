@@ -172,3 +172,21 @@ def test_export_does_not_import_transformers() -> None:
     root = Path(__file__).resolve().parents[1]
     env = {**os.environ, "PYTHONPATH": str(root)}
     assert subprocess.run([sys.executable, "-c", code], cwd=root, env=env, timeout=60).returncode == 0
+
+
+def test_an_off_span_consensus_under_its_own_spec_is_named_as_a_drift(tmp_path: Path) -> None:
+    """Weights of the run's own spec that drifted off the span (a checkpoint of a build before anchors were
+    kept in span) are refused with that reason, not as weights of another spec."""
+    spec = make_spec(2, [8])
+    states = [m.state_dict() for m in trained_stages(spec)]
+    g = torch.Generator().manual_seed(3)
+    wo = states[0]["layers.0.attn.wo.weight"]
+    states[0]["layers.0.attn.wo.weight"] = (
+        wo + 0.5 * wo.norm() * torch.randn(wo.shape, generator=g) / wo.numel() ** 0.5
+    )
+    with pytest.raises(ValueError, match="outside span") as refused:
+        export_llama(spec, states, tmp_path, origin="round 4 of run export-test")
+    assert "round 4 of run export-test" in str(refused.value) and "drifted" in str(refused.value)
+    assert "not trained with this run spec" not in str(refused.value)
+    with pytest.raises(ValueError, match="not trained with this run spec"):
+        export_llama(spec, states, tmp_path)

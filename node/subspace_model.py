@@ -130,33 +130,48 @@ def project_grads_(stage: Stage) -> None:
             p.grad.copy_(_project(p.grad, U_k, c.side))
 
 
+_BLOCK_VALUES = 1 << 22
+"""float64 products held at once by `consensus_projection` (32 MiB): it takes the columns in blocks."""
+
+
+def _tree_sum(P: torch.Tensor) -> torch.Tensor:
+    """sum over dim 0 as a fixed pairwise tree, (m, ...) -> (...): rows i and i + m//2 first, the odd
+    last row carried up. Elementwise adds only, so the bits depend on nothing but the inputs."""
+    while P.shape[0] > 1:
+        h = P.shape[0] // 2
+        head = P[:h] + P[h : 2 * h]
+        P = torch.cat((head, P[2 * h :])) if P.shape[0] % 2 else head
+    return P[0]
+
+
 @torch.no_grad()
 def consensus_projection(t: torch.Tensor, U_k: torch.Tensor, side: Side) -> torch.Tensor:
     """proj(t) as every replica computes it for the consensus, bit for bit on any host: U U^T W ("out") or
     E U U^T ("rows") of a host tensor, in float64, cast to t's dtype.
 
     A BLAS matmul's summation order depends on the CPU (blocking, SIMD width, threads) and the GPU's on
-    its kernels, so neither may touch a consensus. Here both products are sums of outer products taken
-    in ascending order, each an elementwise IEEE multiply and add, which round the same everywhere:
+    its kernels, so neither may touch a consensus. Here each product is formed elementwise and summed as
+    a fixed pairwise tree (`_tree_sum`); IEEE multiplies and adds round the same everywhere:
 
-        C = sum_i  U[i, :]^T X[i, :]      # (k, n) = U^T X, i = 0 .. d-1
-        Y = sum_j  U[:, j]   C[j, :]      # (d, n) = U C,   j = 0 .. k-1
+        C = tree_sum_i  U[i, :, None] * X[i, None, :]      # (k, n) = U^T X
+        Y = tree_sum_j  U[:, j, None] * C[j, None, :]      # (d, n) = U C
 
-    Cost 2 d k n multiply-adds per weight (d = 256, k = 32: ~5 ms for a 256 x 688 writer on one core).
+    Cost 2 d k n float64 multiply-adds per weight, memory-bound (d = 256, k = 32: tens of ms for a
+    256 x 688 writer); a column block at a time bounds the temporaries to _BLOCK_VALUES.
     """
     if t.device.type != "cpu":
         raise ValueError(f"the consensus projection runs on the host, got a tensor on {t.device}")
-    X = t.double() if side == "out" else t.double().T  # (d, n); rows: E U U^T = (U U^T E^T)^T
-    U = U_k.to("cpu", torch.float64)  # (d, k)
+    X = (t.double() if side == "out" else t.double().T).contiguous()  # (d, n); rows: (U U^T E^T)^T
+    U = U_k.to("cpu", torch.float64).contiguous()  # (d, k)
     d, k = U.shape
     if X.shape[0] != d:
         raise ValueError(f"cannot project a {tuple(t.shape)} {side!r} tensor onto a basis of {d} rows")
-    C = torch.zeros(k, X.shape[1], dtype=torch.float64)  # (k, n)
-    for i in range(d):
-        C.add_(U[i, :, None] * X[i, None, :])
-    Y = torch.zeros_like(X)  # (d, n)
-    for j in range(k):
-        Y.add_(U[:, j, None] * C[j, None, :])
+    Y = torch.empty_like(X)
+    step = max(1, _BLOCK_VALUES // (d * k))
+    for c in range(0, X.shape[1], step):
+        Xb = X[:, c : c + step]  # (d, b)
+        C = _tree_sum(U[:, :, None] * Xb[:, None, :])  # (d, k, b) -> (k, b)
+        Y[:, c : c + step] = _tree_sum(U.T[:, :, None] * C[:, None, :])  # (k, d, b) -> (d, b)
     return (Y if side == "out" else Y.T).to(t.dtype).contiguous()
 
 

@@ -190,3 +190,26 @@ def test_an_off_span_consensus_under_its_own_spec_is_named_as_a_drift(tmp_path: 
     assert "not trained with this run spec" not in str(refused.value)
     with pytest.raises(ValueError, match="not trained with this run spec"):
         export_llama(spec, states, tmp_path)
+
+
+@needs_transformers
+def test_the_exported_model_generates_what_the_swarm_model_predicts(tmp_path: Path) -> None:
+    """scripts/generate.py on an export: greedy continuation token by token equals the argmax of the
+    crucible pipeline's own logits (through the k-wide link) on the growing sequence."""
+    from scripts.generate import generate, load, main
+
+    spec = make_spec(2, [MODEL.d_model // 8])
+    stages = trained_stages(spec)
+    export_llama(spec, [m.state_dict() for m in stages], tmp_path)
+    model, context = load(tmp_path)
+    assert context == MODEL.seq_len
+    prompt = list(b"def ")
+    new = generate(model, prompt, 6, context, temperature=0.0)
+    seq = list(prompt)
+    for tok in new:
+        # (1, L+1), the links carry whole sequences: padded after seq, which a causal model does not read
+        tokens = torch.tensor([seq + [0] * (MODEL.seq_len + 1 - len(seq))])
+        assert int(pipeline_logits(spec, stages, tokens)[0, len(seq) - 1].argmax()) == tok
+        seq.append(tok)
+    assert main([str(tmp_path), "--prompt", "def ", "--tokens", "8"]) == 0
+    assert main([str(tmp_path / "nothing-here")]) == 2

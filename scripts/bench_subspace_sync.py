@@ -14,8 +14,8 @@ replicas step in lockstep. Three arms from the same seeds and batches:
 
 The consensus (the anchor, which export and validation read) is evaluated through the k-wide links; the
 JSON line reports its validation bits per byte, the largest relative off-span norm of a constrained
-anchor, and the share of the error feedback's norm that lies off the span (what top-k spends on
-components the model cannot use). `--check` builds every arm's run spec and exits.
+anchor, and the share of the error feedback's norm that lies off the span when the next top-k reads it
+(what top-k would spend on components the model cannot use). `--check` builds every arm's run spec and exits.
 """
 
 from __future__ import annotations
@@ -67,7 +67,8 @@ def arm_spec(name: str, args: argparse.Namespace, model: ModelSpec, train: Train
 
 
 def ef_off_span(syncs: list[OuterSync], spans: list[Confinement | None]) -> float:
-    """sqrt(sum ||(I - P) e||^2 / sum ||e||^2) over the constrained tensors of one replica's stages."""
+    """sqrt(sum ||(I - P) e||^2 / sum ||e||^2) over the constrained tensors of one replica's stages, of
+    the error feedback as the next top-k sees it (an arm that confines projects it first)."""
     off = tot = 0.0
     for sy, cf in zip(syncs, spans, strict=True):
         codec = sy.codec
@@ -75,6 +76,9 @@ def ef_off_span(syncs: list[OuterSync], spans: list[Confinement | None]) -> floa
             continue
         for f, e in codec.e.items():
             for i, t in zip(sy.fragments[f], e, strict=True):
+                if sy.confine is not None:
+                    t = t.clone()
+                    sy.confine.local_(i, t)
                 if i in cf.by_index:
                     n2 = float(t.double().norm() ** 2)
                     off += cf.off_span(i, t) ** 2 * n2
@@ -147,8 +151,8 @@ def run_arm(
     consensus = replicas[0]
     with torch.no_grad():  # the anchor, as export and the swarm's validation read it
         for stage, sy in zip(consensus.stages, syncs[0], strict=True):
-            for p, a in zip(stage.parameters(), sy.anchor, strict=True):
-                p.copy_(a)
+            for p, w in zip(stage.parameters(), sy.anchor, strict=True):
+                p.copy_(w)
     off = 0.0
     for sy, cf in zip(syncs[0], spans, strict=True):
         if cf is not None:

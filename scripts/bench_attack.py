@@ -2,6 +2,7 @@
 
   python -m scripts.bench_attack                          # the recorded run: 3 seeds, 4 replicas, 20 rounds
   python -m scripts.bench_attack --seeds 1 --attacks flip --rules trimmed,none     # one cell
+  python -m scripts.bench_attack --check              # build every run's spec, train nothing
 
 For every seed, in one process and through one in-process S3 server (moto), the SparseLoCo arm of
 `scripts.bench_quality` (the real `OuterSync`, SparseLoCo codec and `make_sync_parts` aggregation) runs:
@@ -21,19 +22,23 @@ diverged (null). A table on stderr, one JSON line last on stdout.
 from __future__ import annotations
 
 import argparse
+import importlib.util
 import json
 import logging
 import math
 import sys
 import time
 from dataclasses import replace
+from typing import Any
 
 import torch
 
 from node.data import Corpus
+from node.sparseloco_sync import make_sync_parts
+from protocol.identity import Identity
 from protocol.runspec import ModelSpec, SyncSpec, TrainSpec
 from protocol.store import ObjectStore, StoreConfig
-from scripts.bench_quality import ATTACKS, Attack, Result, Setup, parse_rounds, run_outer
+from scripts.bench_quality import ATTACKS, Attack, Result, Setup, arm_spec, parse_rounds, run_outer
 
 RULES = ("trimmed", "clip_median", "none")
 
@@ -50,6 +55,35 @@ class _Counter(logging.Handler):
         msg = record.getMessage()
         self.bounded += msg.startswith("aggregation bounded")
         self.left_out += msg.startswith("aggregation left out")
+
+
+def setup(args: argparse.Namespace, model: ModelSpec, seed: int, steps: int) -> Setup:
+    """One seed's runs: the seed sets both the data stream and the initial weights."""
+    train = TrainSpec(
+        total_steps=steps,
+        batch_size=args.batch,
+        microbatches=1,
+        lr=args.lr,
+        warmup_steps=args.warmup,
+        weight_decay=0.0,
+        grad_clip=1.0,
+        data_seed=seed,
+    )
+    return Setup(model=replace(model, init_seed=seed), replicas=args.replicas, train=train)
+
+
+def check(setups: dict[int, Setup], base: SyncSpec, rules: list[str], attacks: list[str]) -> dict[str, Any]:
+    """--check: every (seed, rule) run's spec, codec and aggregation built as run_outer builds them,
+    without data, store or training (an attack changes only what the hostile replica uploads)."""
+    if importlib.util.find_spec("moto") is None:
+        raise SystemExit("bench_attack needs moto for its in-process S3 server: pip install -e '.[swarm]'")
+    ident = Identity.from_seed(bytes([1]) * 32)
+    runs = []
+    for seed, s in setups.items():
+        for rule in rules:
+            make_sync_parts(arm_spec("sparseloco", replace(base, robust=rule), s), ident)
+            runs += [f"{seed}/{kind}/{rule}" for kind in ["honest", *attacks]]
+    return {"check": "ok", "bench": "robust_aggregation_attack", "runs": runs, "H": base.H}
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -72,6 +106,9 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--warmup", type=int, default=10)
     ap.add_argument("--eval-batches", type=int, default=32, help="validation batches of --batch sequences")
     ap.add_argument("--threads", type=int, default=2)
+    ap.add_argument(
+        "--check", action="store_true", help="build every run's spec, print one JSON line, train nothing"
+    )
     args = ap.parse_args(argv)
     try:
         seeds = [int(x) for x in args.seeds.split(",") if x]
@@ -84,6 +121,27 @@ def main(argv: list[str] | None = None) -> int:
         ap.error(f"--attacks from {','.join(ATTACKS)}; --rules from {','.join(RULES)}")
     if last > args.outer_rounds:
         ap.error(f"--rounds {args.rounds} ends after the last of {args.outer_rounds} outer rounds")
+    try:
+        model = ModelSpec(
+            d_model=args.d_model,
+            n_layers=args.n_layers,
+            n_heads=4,
+            d_ff=round(8 * args.d_model / 3 / 8) * 8,
+            seq_len=args.seq_len,
+        )
+        steps = args.outer_rounds * args.H
+        base_sync = SyncSpec(
+            method="sparseloco", H=args.H, k=64, beta=args.beta, aggregation="per_coordinate"
+        )
+        setups = {seed: setup(args, model, seed, steps) for seed in seeds}
+    except ValueError as e:
+        ap.error(str(e))
+    if args.check:
+        try:
+            print(json.dumps(check(setups, base_sync, rules, attacks)))
+        except ValueError as e:
+            ap.error(str(e))
+        return 0
     torch.set_num_threads(args.threads)
     logging.basicConfig(level=logging.ERROR, stream=sys.stderr, format="%(message)s")
     log = logging.getLogger("bench_attack")
@@ -95,15 +153,6 @@ def main(argv: list[str] | None = None) -> int:
     agg_log.setLevel(logging.WARNING)
     agg_log.propagate = False  # one warning per bounded contribution per replica: counted, not printed
 
-    model = ModelSpec(
-        d_model=args.d_model,
-        n_layers=args.n_layers,
-        n_heads=4,
-        d_ff=round(8 * args.d_model / 3 / 8) * 8,
-        seq_len=args.seq_len,
-    )
-    steps = args.outer_rounds * args.H
-    base_sync = SyncSpec(method="sparseloco", H=args.H, k=64, beta=args.beta, aggregation="per_coordinate")
     corpus = Corpus.load("stdlib", 0.02)
     val = corpus.val_batches(args.eval_batches, args.batch, model.seq_len)
     print(
@@ -127,18 +176,7 @@ def main(argv: list[str] | None = None) -> int:
         host, port = server.get_host_and_port()
         store = ObjectStore(StoreConfig(endpoint_url=f"http://{host}:{port}", bucket="bench-attack"))
         store.ensure_bucket()
-        for seed in seeds:
-            train = TrainSpec(
-                total_steps=steps,
-                batch_size=args.batch,
-                microbatches=1,
-                lr=args.lr,
-                warmup_steps=args.warmup,
-                weight_decay=0.0,
-                grad_clip=1.0,
-                data_seed=seed,
-            )
-            s = Setup(model=replace(model, init_seed=seed), replicas=args.replicas, train=train)
+        for seed, s in setups.items():
             for kind in ["honest", *attacks]:
                 attack = (
                     None

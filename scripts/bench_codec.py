@@ -1,6 +1,6 @@
 """SparseLoCo codec: compression ratio and encode/decode throughput, beside a naive baseline.
 
-  python -m scripts.bench_codec [--sizes 1M,16M,64M] [--repeats 3] [--device cpu|cuda]
+  python -m scripts.bench_codec [--sizes 1M,16M,64M] [--repeats 3] [--device cpu|cuda] [--check]
 
 Each size is one Llama-style block of width d with a 4x MLP (q, k, v, o: d x d; gate, up: 4d x d;
 down: d x 4d; two RMSNorm vectors): d = 256, 1024, 2048 give 1M, 16M and 64M parameters in 2-D weights.
@@ -188,11 +188,29 @@ def main(argv: list[str] | None = None) -> None:
     ap.add_argument("--sizes", default="1M,16M,64M", help="comma-separated, from " + ",".join(WIDTHS))
     ap.add_argument("--repeats", type=int, default=3, help="warm runs per measurement (median is reported)")
     ap.add_argument("--device", default="cpu", help="where the torch path runs (example: cuda:0)")
+    ap.add_argument(
+        "--check", action="store_true", help="validate the flags, print one JSON line, time nothing"
+    )
     args = ap.parse_args(argv)
-    torch.set_num_threads(1)
-    cfg = SparseLoCoConfig()
-    ident = Identity.from_seed(bytes(32))
     sizes = [s for s in args.sizes.split(",") if s]
+    unknown = [s for s in sizes if s not in WIDTHS]
+    if unknown or not sizes:
+        ap.error(f"--sizes: unknown size(s) {unknown}; choose from {','.join(WIDTHS)} (example: 1M,16M)")
+    if args.repeats < 1:
+        ap.error(f"--repeats {args.repeats} must be at least 1")
+    try:
+        device = torch.device(args.device)
+    except RuntimeError as e:
+        ap.error(f"--device {args.device!r}: {e} (example: cpu, cuda:0)")
+    if device.type == "cuda" and not torch.cuda.is_available():
+        ap.error(f"--device {args.device!r}: torch sees no CUDA device on this host")
+    cfg = SparseLoCoConfig()
+    if args.check:  # the blocks each size builds, without allocating them
+        params = {s: sum(math.prod(sh) for sh in block_shapes(WIDTHS[s])) for s in sizes}
+        print(json.dumps({"check": "ok", "bench": "codec", "params": params, "device": str(device)}))
+        return
+    torch.set_num_threads(1)
+    ident = Identity.from_seed(bytes(32))
     res = {s: bench_size(s, args.repeats, ident, cfg, args.device) for s in sizes}
     print(
         f"SparseLoCo codec, chunk {cfg.chunk}, k {cfg.k}, {cfg.value_bits}-bit values, one core "

@@ -3,6 +3,7 @@
   python -m scripts.bench_gpu                          # on a GPU host: a few minutes
   python -m scripts.bench_gpu --smoke                  # all three parts, tiny, on the CPU (seconds)
   python -m scripts.bench_gpu --no-compile --json-out runs/bench_gpu.json
+  python -m scripts.bench_gpu --check                  # build every part's spec, print one JSON line
 
 Runs where only torch, numpy and msgpack are importable (no hivemind, boto3, moto, cryptography, base58,
 psutil, no object store): it imports the stage, the inner step, the pipeline schedule, the links and the
@@ -61,6 +62,7 @@ from protocol.sparseloco_format import pack_payload
 ROOT = Path(__file__).resolve().parents[1]
 READY = "BENCH-GPU-STAGE1-READY"
 RESULT = "BENCH-GPU-RESULT"
+PARTS = ("stage", "sparseloco", "pipeline")
 
 
 def log(msg: str) -> None:
@@ -364,6 +366,9 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
         prog="bench_gpu", description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
     )
     ap.add_argument("--smoke", action="store_true", help="all three parts, tiny, on the CPU (a CI check)")
+    ap.add_argument(
+        "--check", action="store_true", help="build every part's specs, print one JSON line, run nothing"
+    )
     ap.add_argument("--device", default="auto", help="auto|cuda|cuda:N|cpu (default auto)")
     ap.add_argument("--no-compile", dest="compile", action="store_false", help="do not torch.compile (CUDA)")
     ap.add_argument("--parts", default="stage,sparseloco,pipeline", help="comma-separated parts to run")
@@ -396,6 +401,10 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
         a.layers, a.warmup, a.steps, a.ef_params, a.ef_repeats = 2, 1, 2, 2e5, 1
         a.pipe_layers, a.M, a.extra_in_flight, a.bandwidth_mbps, a.delay_ms = 1, 4, 2, 50.0, 2.0
     a.ef_params = int(a.ef_params)
+    a.parts = [p for p in a.parts.split(",") if p]
+    unknown = sorted(set(a.parts) - set(PARTS))
+    if unknown or not a.parts:
+        ap.error(f"--parts: unknown part(s) {unknown}; choose from {','.join(PARTS)}")
     keep = ("device", "d_model", "n_heads", "d_ff", "seq", "microbatch", "warmup", "steps")
     keep += ("pipe_layers", "M", "extra_in_flight", "bandwidth_mbps", "delay_ms")
     a.passthrough = [f"--{k.replace('_', '-')}={getattr(a, k)}" for k in keep]
@@ -403,8 +412,39 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     return a
 
 
+def check(a: argparse.Namespace) -> dict[str, Any]:
+    """--check: the specs each selected part builds (stage, the pair's run spec and its memory estimate,
+    the SparseLoCo config), nothing allocated or started. `auto` is not resolved (that claims a GPU): it
+    stands for cuda:0 where torch sees a GPU."""
+    if a.device == "auto":
+        device = torch.device("cuda", 0) if torch.cuda.device_count() else torch.device("cpu")
+    else:
+        device = resolve_device(a.device)[0]
+    precision = resolve_precision("auto", device)
+    out: dict[str, Any] = {"check": "ok", "bench": "gpu", "device": str(device), "parts": a.parts}
+    if "stage" in a.parts:
+        ms = model_spec(a, a.layers + 2)  # and the TrainSpec bench_stage trains under
+        TrainSpec(total_steps=10**6, batch_size=a.microbatch, microbatches=1, warmup_steps=1, lr=1e-4)
+        out["stage_params"] = a.layers * ModelShape.from_spec(ms).layer_params
+        if device.type == "cuda":
+            out["peak_tflops"] = peak_tflops(device, a.peak_tflops)[0]
+    if "sparseloco" in a.parts:
+        out["ef_params"] = sum(r * c for r, c in ef_shapes(a, a.ef_params))
+    if "pipeline" in a.parts:
+        spec = pipeline_spec(a)
+        est = [stage_memory(spec, s, precision) for s in range(spec.stages)]
+        out["pipeline_memory_estimate_gb"] = [round((e.total - e.outer_state) / GB, 2) for e in est]
+    return out
+
+
 def main(argv: list[str] | None = None) -> int:
     a = parse_args(argv)
+    if a.check:
+        try:
+            print(json.dumps(check(a)))
+        except ValueError as e:  # DeviceError is one too
+            raise SystemExit(f"bench_gpu: error: {e}") from None
+        return 0
     if a.child_stage >= 0:
         if a.smoke or a.device == "cpu":
             torch.set_num_threads(1)
@@ -414,7 +454,7 @@ def main(argv: list[str] | None = None) -> int:
     precision = resolve_precision("auto", device)
     a.passthrough = [f"--device={device}" if x.startswith("--device=") else x for x in a.passthrough]
     log(f"device {describe(device)}, precision {precision}, compile {a.compile and device.type == 'cuda'}")
-    parts = set(a.parts.split(","))
+    parts = set(a.parts)
     result: dict[str, Any] = {"device": describe(device), "precision": precision, "torch": torch.__version__}
     scale = {"step_s_per_param": 0.0}  # part 1's step time per parameter, for part 2's overlap check
 

@@ -2,6 +2,7 @@
 
   python -m scripts.bench_pipeline                     # about 2.5 minutes on 2 idle cores
   python -m scripts.bench_pipeline --quick             # a smoke run (seconds, figures not meaningful)
+  python -m scripts.bench_pipeline --check             # build every variant's run spec, start nothing
   python -m scripts.bench_pipeline --bandwidth-mbps 20 --delay-ms 10 --microbatches 16 --extra-in-flight 2
 
 A 2-stage pipeline of the small Llama (d=256, 4 layers, 4 heads, d_ff=688, seq 256; layers 0-1 + embedding
@@ -377,6 +378,11 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--lr", type=float, default=1e-3)
     p.add_argument("--compare-1f1b", action="store_true", help="add shaped_k32 with plain 1F1B (extra 0)")
     p.add_argument("--quick", action="store_true", help="smoke run: M=2, b=2, 2 steps, 1 warm-up")
+    p.add_argument(
+        "--check",
+        action="store_true",
+        help="build every variant's run spec, print one JSON line, start nothing",
+    )
     p.add_argument("--host", default="127.0.0.1", help="stage 1's address for the unshaped variant")
     p.add_argument("--shaped-host", default=None, help="stage 1's address for shaped variants (--host)")
     p.add_argument("--listen-host", default="127.0.0.1", help="where stage 1 listens (0.0.0.0 in netns)")
@@ -396,7 +402,6 @@ def main(argv: list[str] | None = None) -> int:
         p.error(f"--warmup {args.warmup} must be in 0..steps-1 ({args.steps - 1})")
     if args.bandwidth_mbps <= 0 or args.delay_ms < 0:
         p.error("--bandwidth-mbps must be > 0 and --delay-ms >= 0")
-    torch.set_num_threads(1)
     shaped_host = args.shaped_host or args.host
     e = args.extra_in_flight
     base_v = Variant(name="unshaped_dense", link_k=[], shaped=False, extra_in_flight=e)
@@ -419,8 +424,18 @@ def main(argv: list[str] | None = None) -> int:
         for v in variants
     ]
     hosts = [shaped_host if v.shaped else args.host for v in variants]
+    try:
+        prefix = shlex.split(args.stage1_prefix)
+        specs = {c.variant.name: c.spec() for c in cfgs}  # both stages build their stage from this spec
+    except ValueError as err:
+        p.error(f"--stage1-prefix/--k/--microbatches/--micro-batch: {err}")
+    if args.check:
+        links = {name: spec.pipeline.link_k for name, spec in specs.items()}
+        print(json.dumps({"check": "ok", "bench": "pipeline", "variants": links, "hosts": hosts}))
+        return 0
+    torch.set_num_threads(1)
 
-    child = Child(shlex.split(args.stage1_prefix), args.listen_host, args.accept_timeout_s)
+    child = Child(prefix, args.listen_host, args.accept_timeout_s)
     try:
         port = child.wait_ready(60)
         corpus = Corpus.load("stdlib", 0.01)

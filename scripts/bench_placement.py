@@ -1,6 +1,6 @@
 """Placement at scale: time to place and the planner's tokens/s, against random and greedy placement.
 
-  python -m scripts.bench_placement [--sizes 100,1000,10000] [--stages 4] [--use 0.8] [--seed 0]
+  python -m scripts.bench_placement [--sizes 100,1000,10000] [--stages 4] [--use 0.8] [--seed 0] [--check]
 
 Synthetic pools of n nodes: speeds from four accelerator tiers (80, 150, 312, 990 TFLOP/s, +-20%,
 prices in proportion), free memory to spare, store bandwidth 200-2000 Mbit/s. Every node sits in one of
@@ -106,6 +106,11 @@ def random_placement(adverts: list[NodeAdvert], R: int, S: int, seed: int) -> Pl
     return Placement({(r, s): chosen[r * S + s].peer_id for r in range(R) for s in range(S)})
 
 
+def replicas(n: int, S: int, use: float) -> int:
+    """R = use x n / S replicas (at least one) of S stages from a pool of n."""
+    return max(1, int(use * n) // S)
+
+
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument(
@@ -114,10 +119,29 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--stages", type=int, default=4, help="pipeline stages S (example: 4)")
     ap.add_argument("--use", type=float, default=0.8, help="share of the pool placed: R = use x n / S")
     ap.add_argument("--seed", type=int, default=0, help="pool seed (example: 0)")
+    ap.add_argument(
+        "--check", action="store_true", help="validate the flags, print one JSON line, place nothing"
+    )
     args = ap.parse_args(argv)
-    sizes = [int(x) for x in args.sizes.split(",")]
+    try:
+        sizes = [int(x) for x in args.sizes.split(",")]
+    except ValueError:
+        ap.error(f"--sizes {args.sizes!r} must be comma-separated integers (example: 100,1000)")
     S = args.stages
-    cost = CostModel.default(S)
+    if S < 1 or not 0 < args.use <= 1:
+        ap.error(f"--stages {S} must be at least 1 and --use {args.use} in (0, 1]")
+    layouts = {n: replicas(n, S, args.use) for n in sizes}
+    short = [n for n, R in layouts.items() if R * S > n]
+    if short:
+        ap.error(f"--sizes {short}: a pool must hold R x S = max(1, use n / S) x {S} nodes")
+    try:
+        cost = CostModel.default(S)
+    except ValueError as e:
+        ap.error(f"--stages: {e}")
+    if args.check:  # the layouts and the cost model, without building a pool
+        out_check = {"check": "ok", "bench": "placement", "replicas": layouts, "layers": list(cost.layers)}
+        print(json.dumps(out_check))
+        return 0
     out: dict[str, float] = {}
     print(
         f"{'nodes':>6} {'R x S':>9} {'place s':>8} {'placement':>11} {'greedy':>11} {'random':>11}",
@@ -125,7 +149,7 @@ def main(argv: list[str] | None = None) -> int:
     )
     for n in sizes:
         pool = Pool(n, args.seed)
-        R = max(1, int(args.use * n) // S)
+        R = layouts[n]
         t = time.perf_counter()
         pl = place(pool.adverts, R, S, cost=cost)
         place_s = time.perf_counter() - t

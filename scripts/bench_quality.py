@@ -2,6 +2,7 @@
 
   python -m scripts.bench_quality            # the recorded run (about 10 minutes on 2 cores)
   python -m scripts.bench_quality --quick    # CI-sized (under 2 minutes)
+  python -m scripts.bench_quality --check    # build every selected arm's run spec, train nothing
   python -m scripts.bench_quality --arms adamw,sparseloco --steps 300 --alpha 1.0 --H 15
   python -m scripts.bench_quality --arms sparseloco --attack flip --attack-rounds 3-8 --robust none
 
@@ -17,7 +18,10 @@ replica r draws batch (data_seed, r, step) in every arm, so every method sees th
                 per-coordinate mean, alpha 1, beta 0.7, H = 5 (the best of the settings tried here:
                 with 200 rounds a short error-feedback memory beats the paper's 0.95; docs/benchmarks.md).
 - stream_tau1/2: SparseLoCo with P strided fragments captured at c_f = (f+1) floor(H/P) and applied
-                tau = 1 or 2 inner steps later, keeping the local drift (arXiv 2501.18512).
+                tau = 1 or 2 inner steps later, keeping the local drift (arXiv 2501.18512). The run spec
+                needs tau < floor(H/P) (a cycle's fragments all applied before the next cycle's first
+                capture), so without --P each arm takes the most fragments, up to 5, its tau allows:
+                P = floor(H / (tau + 1)); at H = 5 that is P = 2 for tau = 1 and P = 1 for tau = 2.
 
 Every inner step is the worker's (node/inner_step.py: lr schedule, clipping, AdamW) under a `TrainSpec`
 built from the flags. The outer loops are the real `node.outer_sync.OuterSync` with the codecs and
@@ -37,12 +41,14 @@ weights stop being finite is reported as diverged (bits per byte null in the JSO
 from __future__ import annotations
 
 import argparse
+import importlib.util
 import json
 import logging
 import math
 import sys
 import time
 from dataclasses import dataclass, replace
+from typing import Any
 
 import numpy as np
 import torch
@@ -192,6 +198,18 @@ def run_adamw(s: Setup, corpus: Corpus, val: list[torch.Tensor], log: logging.Lo
     return Result("adamw", evaluate(model, val), train_s)
 
 
+def arm_spec(name: str, sync: SyncSpec, s: Setup) -> RunSpec:
+    """The run spec an outer arm trains under: R replicas of one stage holding the whole model."""
+    return RunSpec(
+        run_id=f"bench-{name.replace('_', '-')}-{int(time.time() * 1000) % 10**9}",
+        replicas=s.replicas,
+        stages=1,
+        model=s.model,
+        train=s.train,
+        sync=sync,
+    )
+
+
 def run_outer(
     name: str,
     sync: SyncSpec,
@@ -202,7 +220,7 @@ def run_outer(
     log: logging.Logger,
     attack: Attack | None = None,
 ) -> Result:
-    spec = RunSpec(run_id=f"bench-{name.replace('_', '-')}-{int(time.time() * 1000) % 10**9}", sync=sync)
+    spec = arm_spec(name, sync, s)
     ids = [Identity.from_seed(bytes([r + 1]) * 32) for r in range(s.replicas)]
     peers = {r: ids[r].peer_id for r in range(s.replicas)}
     replicas, syncs = [], []
@@ -300,14 +318,41 @@ def parse_rounds(text: str) -> tuple[int, int]:
     return first, last
 
 
-def main(argv: list[str] | None = None) -> int:
-    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+STREAM_TAU = {"stream_tau1": 1, "stream_tau2": 2}
+"""The streaming arms and their overlap tau (inner steps between a fragment's capture and its application)."""
+AUTO_P_MAX = 5
+"""Without --P a streaming arm takes the most fragments, up to this many, that its tau allows."""
+
+
+def stream_P(H: int, tau: int) -> int:
+    """The most fragments (at most AUTO_P_MAX) the spec accepts with this tau: tau < floor(H / P) holds
+    exactly when P <= H / (tau + 1). At least 1, so an H too short for tau is refused by the spec itself."""
+    return max(1, min(AUTO_P_MAX, H // (tau + 1)))
+
+
+def parser() -> argparse.ArgumentParser:
+    ap = argparse.ArgumentParser(
+        prog="python -m scripts.bench_quality",
+        description=__doc__,
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+    )
     ap.add_argument("--quick", action="store_true", help="CI-sized: 2 replicas, 120 steps, H=10")
+    ap.add_argument(
+        "--check",
+        action="store_true",
+        help="build every selected arm's settings and run spec, print one JSON line, train nothing",
+    )
     ap.add_argument("--arms", default=",".join(ARMS), help=f"comma-separated subset of {','.join(ARMS)}")
     ap.add_argument("--replicas", type=int, default=4, help="R simulated replicas (default 4)")
     ap.add_argument("--steps", type=int, default=1000, help="inner steps per replica (default 1000)")
     ap.add_argument("--H", type=int, default=5, help="inner steps per outer round (default 5)")
-    ap.add_argument("--P", type=int, default=5, help="fragments of the streaming arms (default 5)")
+    ap.add_argument(
+        "--P",
+        type=int,
+        default=None,
+        help=f"fragments of the streaming arms (default: the most, up to {AUTO_P_MAX}, that the arm's tau "
+        "allows: floor(H / (tau + 1)))",
+    )
     ap.add_argument("--alpha", type=float, default=1.0, help="SparseLoCo outer lr (default 1.0)")
     ap.add_argument("--k", type=int, default=64, help="SparseLoCo top-k per 4096-chunk (default 64)")
     ap.add_argument(
@@ -344,12 +389,80 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--eval-batches", type=int, default=64, help="validation batches of --batch sequences")
     ap.add_argument("--data-seed", type=int, default=1234)
     ap.add_argument("--threads", type=int, default=2)
+    return ap
+
+
+def robust_settings(args: argparse.Namespace) -> dict[str, Any]:
+    """The aggregation bound of every outer arm (`SyncSpec.robust` and its ratios)."""
+    return {
+        "robust": "clip_median" if args.clip_median_norm else args.robust,
+        "max_norm_ratio": args.max_norm_ratio,
+        "max_abs_ratio": args.max_abs_ratio,
+        "min_agreement": args.min_agreement,
+        "trim": args.trim,
+    }
+
+
+def arm_sync(name: str, args: argparse.Namespace) -> SyncSpec:
+    """The sync settings of outer arm `name`; the spec's ValueError when it refuses them."""
+    if name == "diloco":
+        return SyncSpec(
+            method="diloco",
+            H=args.H,
+            alpha=args.diloco_alpha,
+            outer_momentum=args.diloco_momentum,
+            aggregation="mean",
+            **robust_settings(args),
+        )
+    tau = STREAM_TAU.get(name, 0)
+    P = 1 if name == "sparseloco" else stream_P(args.H, tau) if args.P is None else args.P
+    return SyncSpec(
+        method="sparseloco",
+        H=args.H,
+        P=P,
+        tau=tau,
+        alpha=args.alpha,
+        k=args.k,
+        beta=args.beta,
+        aggregation=args.aggregation,
+        **robust_settings(args),
+    )
+
+
+def refusal_hint(name: str, args: argparse.Namespace) -> str:
+    """What to change when the spec refuses a streaming arm's H, P and tau."""
+    if name not in STREAM_TAU:
+        return ""
+    tau = STREAM_TAU[name]
+    if args.H <= tau:
+        return f" (tau={tau} needs --H {tau + 1} or more)"
+    if args.P is not None:
+        return f" (use --P {stream_P(args.H, tau)} or fewer with --H {args.H}, or leave --P out)"
+    return ""
+
+
+@dataclass(kw_only=True, frozen=True)
+class Plan:
+    """A run as its flags describe it, validated before anything trains: the selected arms only."""
+
+    args: argparse.Namespace
+    arms: list[str]
+    setup: Setup
+    syncs: dict[str, SyncSpec]
+    """Sync settings of every selected outer arm (adamw has none)."""
+    attack: Attack | None
+
+
+def plan(argv: list[str] | None = None) -> Plan:
+    """Parse the flags and build every selected arm's settings and run spec (what a real run builds
+    before it trains); a refused setting exits with the reason, as argparse errors do."""
+    ap = parser()
     args = ap.parse_args(argv)
     if args.quick:
         args.replicas, args.steps, args.H, args.P, args.eval_batches, args.warmup = 2, 120, 10, 2, 16, 10
     arms = [a for a in args.arms.split(",") if a]
     unknown = set(arms) - set(ARMS)
-    if unknown:
+    if unknown or not arms:
         ap.error(f"--arms: unknown arm(s) {sorted(unknown)}; choose from {','.join(ARMS)}")
     attack = None
     if args.attack:
@@ -363,19 +476,16 @@ def main(argv: list[str] | None = None) -> int:
         attack = Attack(kind=args.attack, replica=who, first=first, last=last)
         if "adamw" in arms or "diloco" in arms:
             ap.error("--attack forges SparseLoCo fragments: use SparseLoCo arms only (--arms sparseloco)")
-    torch.set_num_threads(args.threads)
-    logging.basicConfig(level=logging.WARNING, stream=sys.stderr, format="%(message)s")
-    log = logging.getLogger("bench_quality")
-    log.setLevel(logging.INFO)
-    logging.getLogger("werkzeug").setLevel(logging.ERROR)
-
-    model = ModelSpec(
-        d_model=args.d_model,
-        n_layers=args.n_layers,
-        n_heads=4,
-        d_ff=round(8 * args.d_model / 3 / 8) * 8,
-        seq_len=args.seq_len,
-    )
+    try:
+        model = ModelSpec(
+            d_model=args.d_model,
+            n_layers=args.n_layers,
+            n_heads=4,
+            d_ff=round(8 * args.d_model / 3 / 8) * 8,
+            seq_len=args.seq_len,
+        )
+    except ValueError as e:
+        ap.error(f"--d-model/--n-layers/--seq-len: {e}")
     try:
         train = TrainSpec(
             total_steps=args.steps,
@@ -390,46 +500,72 @@ def main(argv: list[str] | None = None) -> int:
     except ValueError as e:
         ap.error(f"--steps/--batch: {e}")
     s = Setup(model=model, replicas=args.replicas, train=train)
-    try:
-        sparse = SyncSpec(
-            method="sparseloco",
-            H=args.H,
-            alpha=args.alpha,
-            k=args.k,
-            beta=args.beta,
-            aggregation=args.aggregation,
-            robust="clip_median" if args.clip_median_norm else args.robust,
-            max_norm_ratio=args.max_norm_ratio,
-            max_abs_ratio=args.max_abs_ratio,
-            min_agreement=args.min_agreement,
-            trim=args.trim,
-        )
-    except ValueError as e:
-        ap.error(str(e))
-    syncs = {
-        "diloco": SyncSpec(
-            method="diloco",
-            H=args.H,
-            alpha=args.diloco_alpha,
-            outer_momentum=args.diloco_momentum,
-            aggregation="mean",
-            robust=sparse.robust,
-            max_norm_ratio=sparse.max_norm_ratio,
-            max_abs_ratio=sparse.max_abs_ratio,
-            min_agreement=sparse.min_agreement,
-            trim=sparse.trim,
-        ),
-        "sparseloco": sparse,
-        "stream_tau1": replace(sparse, P=args.P, tau=1),
-        "stream_tau2": replace(sparse, P=args.P, tau=2),
+    syncs: dict[str, SyncSpec] = {}
+    for name in arms:
+        if name == "adamw":
+            continue
+        try:
+            syncs[name] = arm_sync(name, args)
+            arm_spec(name, syncs[name], s)  # the run spec's own checks, as run_outer builds it
+        except ValueError as e:
+            ap.error(f"--arms {name}: {e}{refusal_hint(name, args)}")
+    return Plan(args=args, arms=arms, setup=s, syncs=syncs, attack=attack)
+
+
+def check(p: Plan) -> dict[str, Any]:
+    """--check: every selected arm built as run_outer builds it (run spec, codec, aggregation), no data,
+    no store, no training; what was built, as one JSON-ready dict."""
+    if importlib.util.find_spec("moto") is None:
+        raise SystemExit("bench_quality needs moto for its in-process S3 server: pip install -e '.[swarm]'")
+    ident = Identity.from_seed(bytes([1]) * 32)
+    arms: dict[str, dict[str, Any]] = {}
+    for name in p.arms:
+        if name == "adamw":
+            arms[name] = {"method": "adamw"}
+            continue
+        spec = arm_spec(name, p.syncs[name], p.setup)
+        parts = make_sync_parts(spec, ident)
+        sy = spec.sync
+        arms[name] = {
+            "method": sy.method,
+            "H": sy.H,
+            "P": sy.P,
+            "tau": sy.tau,
+            "codec": type(parts.codec).__name__,
+        }
+    return {
+        "check": "ok",
+        "bench": "sparseloco_quality",
+        "arms": arms,
+        "replicas": p.setup.replicas,
+        "steps": p.setup.train.total_steps,
+        "params": p.setup.model.n_params,
+        "attack": None if p.attack is None else p.attack.kind,
     }
+
+
+def main(argv: list[str] | None = None) -> int:
+    p = plan(argv)
+    if p.args.check:
+        print(json.dumps(check(p)))
+        return 0
+    args, arms, s, syncs, attack = p.args, p.arms, p.setup, p.syncs, p.attack
+    model, train = s.model, s.train
+    torch.set_num_threads(args.threads)
+    logging.basicConfig(level=logging.WARNING, stream=sys.stderr, format="%(message)s")
+    log = logging.getLogger("bench_quality")
+    log.setLevel(logging.INFO)
+    logging.getLogger("werkzeug").setLevel(logging.ERROR)
+
     corpus = Corpus.load("stdlib", 0.02)
     val = corpus.val_batches(args.eval_batches, args.batch, model.seq_len)
+    streams = {n: sy for n, sy in syncs.items() if sy.P > 1 or sy.tau > 0}
     print(
-        f"# R={s.replicas} steps={train.total_steps} H={args.H} P={args.P} d={model.d_model} "
+        f"# R={s.replicas} steps={train.total_steps} H={args.H} d={model.d_model} "
         f"layers={model.n_layers} seq={model.seq_len} batch={train.batch_size}/replica "
         f"params={model.n_params:,} lr={train.lr} "
-        f"eval tokens={args.eval_batches * args.batch * model.seq_len:,}",
+        f"eval tokens={args.eval_batches * args.batch * model.seq_len:,}"
+        + "".join(f" {n}: P={sy.P} tau={sy.tau}" for n, sy in streams.items()),
         file=sys.stderr,
         flush=True,
     )
@@ -485,17 +621,19 @@ def main(argv: list[str] | None = None) -> int:
     def gap(a: str, b: str) -> float | None:
         return round(by[a].val_bpb / by[b].val_bpb - 1, 5) if a in by and b in by else None
 
+    robust = robust_settings(args)["robust"]
     out = {
         "bench": "sparseloco_quality",
         "replicas": s.replicas,
         "steps": train.total_steps,
         "H": args.H,
         "P": args.P,
+        "streaming": {n: {"P": sy.P, "tau": sy.tau} for n, sy in streams.items()},
         "alpha": args.alpha,
         "k": args.k,
         "beta": args.beta,
         "aggregation": args.aggregation,
-        "robust": sparse.robust,
+        "robust": robust,
         "attack": None
         if attack is None
         else {"kind": attack.kind, "replica": attack.replica, "rounds": [attack.first, attack.last]},

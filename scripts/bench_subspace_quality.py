@@ -1,6 +1,6 @@
 """Quality cost of the subspace constraint: a 2-stage pipeline with a k/d = 1/8 link vs the dense one.
 
-  python -m scripts.bench_subspace_quality [--quick] [--steps 300] [--k 32] [--wire-dtype float32]
+  python -m scripts.bench_subspace_quality [--quick] [--steps 300] [--k 32] [--wire-dtype float32] [--check]
 
 Both arms train the same Llama-style model (d=256, 4 layers, seq 256, batch 8 by default) from the same
 seeds on the same standard-library token stream with AdamW; every boundary crossing goes through the
@@ -29,7 +29,7 @@ from node.device import resolve_precision
 from node.inner_step import inner_step, lr_at, make_optimizer, prepare_stage
 from node.model import Stage, build_stage, lm_loss
 from node.subspace_model import boundary_codecs, constrain_stage, off_subspace
-from protocol.runspec import ModelSpec, PipelineSpec, TrainSpec
+from protocol.runspec import ModelSpec, PipelineSpec, RunSpec, TrainSpec
 from protocol.subspace import SubspaceBoundary
 
 CPU = torch.device("cpu")
@@ -110,9 +110,35 @@ def evaluate(arm: Arm, batches: list[torch.Tensor]) -> float:
     return nats / math.log(2)
 
 
+def arm_specs(args: argparse.Namespace, train: TrainSpec) -> dict[str, RunSpec]:
+    """The 2-stage run each arm trains: dense links, and one k-wide subspace link (the spec checks k <= d)."""
+    model = ModelSpec(
+        d_model=args.d_model,
+        n_layers=args.n_layers,
+        n_heads=4,
+        d_ff=round(8 * args.d_model / 3 / 8) * 8,
+        seq_len=args.seq_len,
+    )
+    links = {"dense": [], "subspace": [args.k]}
+    return {
+        name: RunSpec(
+            run_id=f"bench-subspace-{name}",
+            stages=2,
+            model=model,
+            train=train,
+            pipeline=PipelineSpec(link_k=k, wire_dtype=args.wire_dtype),
+            layer_split=[model.n_layers // 2, model.n_layers - model.n_layers // 2],
+        )
+        for name, k in links.items()
+    }
+
+
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--quick", action="store_true", help="30 steps, 2 eval batches (a smoke run)")
+    ap.add_argument(
+        "--check", action="store_true", help="build both arms' run specs, print one JSON line, train nothing"
+    )
     ap.add_argument("--steps", type=int, default=300, help="optimizer steps per arm (default 300)")
     ap.add_argument("--k", type=int, default=32, help="subspace width of the single link (default 32 = d/8)")
     ap.add_argument("--d-model", type=int, default=256)
@@ -141,25 +167,21 @@ def main(argv: list[str] | None = None) -> int:
             grad_clip=args.grad_clip,
             data_seed=args.data_seed,
         )
+        specs = arm_specs(args, train)
     except ValueError as e:
-        ap.error(f"--steps/--batch: {e}")
+        ap.error(f"--steps/--batch/--k/--d-model/--n-layers: {e}")
+    spec, ranges = specs["dense"].model, specs["dense"].layer_ranges()
+    if args.check:
+        links = {name: rs.pipeline.link_k for name, rs in specs.items()}
+        out = {"check": "ok", "bench": "subspace_quality", "arms": links, "ranges": ranges, "steps": steps}
+        print(json.dumps({**out, "params": spec.n_params}))
+        return 0
     torch.set_num_threads(args.threads)
     torch.manual_seed(0)
 
-    spec = ModelSpec(
-        d_model=args.d_model,
-        n_layers=args.n_layers,
-        n_heads=4,
-        d_ff=round(8 * args.d_model / 3 / 8) * 8,
-        seq_len=args.seq_len,
-    )
-    ranges = [(0, spec.n_layers // 2), (spec.n_layers // 2, spec.n_layers)]
     corpus = Corpus.load("stdlib", 0.02)
     val = corpus.val_batches(eval_batches, args.batch, spec.seq_len)
-    arms = [
-        build_arm("dense", spec, PipelineSpec(wire_dtype=args.wire_dtype), ranges, train),
-        build_arm("subspace", spec, PipelineSpec(link_k=[args.k], wire_dtype=args.wire_dtype), ranges, train),
-    ]
+    arms = [build_arm(name, rs.model, rs.pipeline, ranges, train) for name, rs in specs.items()]
     log = sys.stderr
     print(
         f"# d={spec.d_model} layers={spec.n_layers} seq={spec.seq_len} batch={args.batch} steps={steps} "

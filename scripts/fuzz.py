@@ -4,6 +4,7 @@
     python -m scripts.fuzz --list                          # the decoders and what each may raise
     python -m scripts.fuzz --repro sparseloco 1234         # rebuild input 1234, print it and its traceback
     python -m scripts.fuzz --flood 16                      # 16 MB of the worst msgpack per decoder (FLOODS)
+    python -m scripts.fuzz --check                         # the flags and decoder names only, fuzz nothing
 
 Every input starts from a VALID encoding (a seed) and is mutated the way a hostile peer would: bit flips,
 byte insert/delete/duplicate, truncation, edits of length fields (the format's own and msgpack's), splices
@@ -1292,6 +1293,26 @@ def _clean(r: dict[str, Any]) -> bool:
     return r["bad_exceptions"] == 0 and r["generator_errors"] == 0 and r["slowest_s"] < SLOW_S
 
 
+def _check(p: argparse.ArgumentParser, args: argparse.Namespace) -> int:
+    """--check: the decoder names (of --decoders or --repro) as a run reads them, one JSON line; the
+    targets are not built (the children build them; sparseloco's takes seconds)."""
+    if args.repro:
+        names = [args.repro[0]]
+        if not args.repro[1].isdigit():
+            p.error(f"--repro {args.repro[0]} {args.repro[1]}: INDEX must be a number (example: 1234)")
+    elif args.list or args.decoders == "all":
+        names = list(DECODERS)
+    else:
+        names = [d.strip() for d in args.decoders.split(",")]
+    unknown = [d for d in names if d not in DECODERS]
+    if unknown:
+        p.error(f"unknown decoder(s) {unknown}; choose from {list(DECODERS)}")
+    print(
+        json.dumps({"check": "ok", "bench": "fuzz", "decoders": names, "n": args.n, "flood_mb": args.flood})
+    )
+    return 0
+
+
 def main(argv: Sequence[str] | None = None) -> int:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--n", type=int, default=100_000, help="inputs per decoder (default 100000)")
@@ -1313,6 +1334,11 @@ def main(argv: Sequence[str] | None = None) -> int:
         "e.g. --flood 16",
     )
     p.add_argument("--list", action="store_true", help="list the decoders and their documented errors")
+    p.add_argument(
+        "--check",
+        action="store_true",
+        help="validate the flags and decoder names, print one JSON line, fuzz nothing",
+    )
     p.add_argument("--repro", nargs=2, metavar=("DECODER", "INDEX"), help="rebuild and decode one input")
     p.add_argument("--child", help=argparse.SUPPRESS)
     p.add_argument("--progress-file", help=argparse.SUPPRESS)
@@ -1320,6 +1346,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     args = p.parse_args(argv)
     if args.child:
         return _child_main(args)
+    if args.check:
+        return _check(p, args)
     if args.list:
         for name, make in DECODERS.items():
             t = make()

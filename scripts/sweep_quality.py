@@ -2,6 +2,7 @@
 
   python -m scripts.sweep_quality --seeds 1,2,3 --jobs 15            # a 16-core machine, about 5 minutes
   python -m scripts.sweep_quality --seeds 1,2 --jobs 2 -- --quick    # anything after -- goes to every arm
+  python -m scripts.sweep_quality --check -- --H 15                   # build every (seed, arm), run none
 
 One arm's val bits-per-byte moves by about 1.4% from seed to seed at the recorded setting, more than the
 0.5% streaming goal, so single runs cannot settle it. Every (seed, arm) pair runs
@@ -22,15 +23,20 @@ import time
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
+from scripts import bench_quality
 from scripts.bench_quality import ARMS
+
+
+def arm_argv(seed: int, arm: str, extra: list[str]) -> list[str]:
+    """bench_quality's flags for one (seed, arm); `extra` (after --) last, so it may override them."""
+    return ["--arms", arm, "--data-seed", str(seed), "--threads", "1", *extra]
 
 
 def run_arm(
     seed: int, arm: str, extra: list[str], out: Path, timeout_s: float
 ) -> tuple[int, str, float | None]:
     log = out / f"seed{seed}_{arm}.log"
-    cmd = [sys.executable, "-m", "scripts.bench_quality", "--arms", arm, "--data-seed", str(seed)]
-    cmd += ["--threads", "1", *extra]
+    cmd = [sys.executable, "-m", "scripts.bench_quality", *arm_argv(seed, arm, extra)]
     try:
         with log.open("w") as err:
             p = subprocess.run(cmd, stdout=subprocess.PIPE, stderr=err, text=True, timeout=timeout_s)
@@ -55,6 +61,23 @@ def summary(gaps: list[float]) -> dict[str, float | int]:
     }
 
 
+def check(seeds: list[int], arms: list[str], extra: list[str]) -> dict[str, object]:
+    """--check: each (seed, arm) planned by bench_quality with the flags its process would get (a refused
+    setting exits with bench_quality's message); nothing is started."""
+    plans = {
+        f"{s}/{a}": bench_quality.check(bench_quality.plan(arm_argv(s, a, extra)))
+        for s in seeds
+        for a in arms
+    }
+    return {
+        "check": "ok",
+        "bench": "sparseloco_quality_sweep",
+        "runs": sorted(plans),
+        "args": extra,
+        "arms": {a: plans[f"{seeds[0]}/{a}"]["arms"][a] for a in arms},
+    }
+
+
 def main(argv: list[str] | None = None) -> int:
     argv = sys.argv[1:] if argv is None else argv
     extra: list[str] = []
@@ -67,12 +90,25 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--jobs", type=int, default=2, help="processes at once, one core each (default 2)")
     ap.add_argument("--out", type=Path, default=Path("runs/sweep_quality"), help="folder for the arms' logs")
     ap.add_argument("--timeout", type=float, default=1800, help="seconds one arm may take (default 1800)")
+    ap.add_argument(
+        "--check",
+        action="store_true",
+        help="build each (seed, arm)'s bench_quality settings in this process, print one JSON line, run none",
+    )
     args = ap.parse_args(argv)
-    seeds = [int(s) for s in args.seeds.split(",") if s]
+    try:
+        seeds = [int(s) for s in args.seeds.split(",") if s]
+    except ValueError:
+        ap.error(f"--seeds {args.seeds!r} must be comma-separated integers (example: 1,2,3)")
     arms = [a for a in args.arms.split(",") if a]
     unknown = set(arms) - set(ARMS)
-    if unknown:
+    if unknown or not arms:
         ap.error(f"--arms: unknown arm(s) {sorted(unknown)}; choose from {','.join(ARMS)}")
+    if not seeds:
+        ap.error("--seeds: give at least one seed (example: 1,2,3)")
+    if args.check:
+        print(json.dumps(check(seeds, arms, extra)))
+        return 0
     args.out.mkdir(parents=True, exist_ok=True)
     t0 = time.perf_counter()
     # the slow arms first, so that the fast AdamW ones fill the gaps at the end

@@ -4,6 +4,7 @@ sees by state, what it did (leases, placements, rebuilds, ticks), its store requ
 
 from __future__ import annotations
 
+import math
 from collections import Counter
 from collections.abc import Iterable
 from typing import TYPE_CHECKING
@@ -16,19 +17,21 @@ from protocol.metrics import gauge, http_families, rejected_family, store_famili
 if TYPE_CHECKING:
     from coordinator.service import Coordinator
 
+LN2 = math.log(2)
 _RUN_GAUGES = (
-    # sample field -> (metric name, help)
-    ("step", "crucible_run_step", "inner steps done (the furthest node)"),
-    ("tokens_per_s", "crucible_run_tokens_per_second", "measured tokens/s summed over replicas"),
-    ("effective_mfu", "crucible_run_effective_mfu_ratio", "tokens/s x FLOPs/token / placed peak FLOP/s"),
-    ("tax", "crucible_run_low_bandwidth_tax_ratio", "1 - effective MFU / achievable MFU of a tuned stage"),
-    ("usd_per_mtok", "crucible_run_cost_usd_per_million_tokens", "placed nodes' $/h over measured tokens"),
-    ("loss", "crucible_run_loss", "mean training loss of the replicas' last stages, nats per token"),
-    ("val_bpb", "crucible_run_validation_bits_per_byte", "mean validation bits per byte"),
-    ("bytes_pipe", "crucible_run_pipeline_bytes", "pipeline bytes moved by the nodes' current assignments"),
-    ("bytes_store", "crucible_run_store_bytes", "object-store bytes moved by the nodes' current assignments"),
-    ("nodes_training", "crucible_run_nodes_training", "placed nodes reporting training"),
-)
+    # sample field -> (metric name, help, factor from the sample's unit to the name's)
+    ("step", "crucible_run_step", "inner steps done (the furthest node)", 1.0),
+    ("tokens_per_s", "crucible_run_tokens_per_second", "measured tokens/s summed over replicas", 1.0),
+    ("effective_mfu", "crucible_run_effective_mfu_ratio", "tokens/s x FLOPs/token / placed peak FLOP/s", 1.0),
+    ("tax", "crucible_run_low_bandwidth_tax_ratio", "1 - effective MFU / achievable MFU of a tuned stage", 1.0),
+    ("usd_per_mtok", "crucible_run_cost_usd_per_million_tokens", "placed nodes' $/h over measured tokens", 1.0),
+    # the sample's loss is in nats per token (coordinator/run_figures.py)
+    ("loss", "crucible_run_train_loss_bits_per_token", "mean training loss of the replicas' last stages, bits per token", 1 / LN2),
+    ("val_bpb", "crucible_run_validation_loss_bits_per_byte", "mean validation loss, bits per byte of text", 1.0),
+    ("bytes_pipe", "crucible_run_pipeline_bytes", "pipeline bytes moved by the nodes' current assignments", 1.0),
+    ("bytes_store", "crucible_run_store_bytes", "object-store bytes moved by the nodes' current assignments", 1.0),
+    ("nodes_training", "crucible_run_nodes_training", "placed nodes reporting training", 1.0),
+)  # fmt: skip
 
 
 def coordinator_families(coord: Coordinator, http: GuardedHTTPServer | None) -> Iterable[Metric]:
@@ -61,12 +64,12 @@ def coordinator_families(coord: Coordinator, http: GuardedHTTPServer | None) -> 
             predicted.add_metric([rid], r["prediction"]["tokens_per_s"])
     yield term
     yield predicted
-    for field, name, doc in _RUN_GAUGES:
+    for field, name, doc, factor in _RUN_GAUGES:
         fam = GaugeMetricFamily(name, doc, labels=["run"])
         for rid, r in sorted(led.items()):
             value = (r["latest"] or {}).get(field)
             if value is not None:
-                fam.add_metric([rid], value)
+                fam.add_metric([rid], value * factor)
         yield fam
     yield from store_families(coord.store)
     rejected = {

@@ -5,14 +5,16 @@ crucible-node join --bootstrap MULTIADDR ...  join a swarm, advertise, train wha
 crucible-node identity                        print this host's peer id (creating its key if needed)
 
 Every input is checked before torch and hivemind are imported (they take seconds) and before anything
-starts; `join` then checks the ports, the store and the bootstrap peer (node/preflight.py). A mistake ends
-with one line that names the flag or config key, the value, what is wrong and an example, and exit code 2
-(protocol/cli_errors.py); `--debug` shows the traceback instead.
+starts; `join` then checks this host (key file, ports, device), then the store (required: every stage syncs
+through it) and the bootstrap peer (node/preflight.py). A mistake ends with one line that names the flag or
+config key, the value, what is wrong and an example, and exit code 2 (protocol/cli_errors.py); `--debug`
+shows the traceback instead.
 """
 
 from __future__ import annotations
 
 import argparse
+import functools
 import json
 import logging
 import math
@@ -49,6 +51,15 @@ BOOTSTRAP_KEY = "~/.crucible/bootstrap.key"
 _DEVICE = re.compile(r"auto|cpu|cuda(:\d+)?")
 
 
+def _port_help(what: str, example: int) -> str:
+    """A port flag's help: fixed ports below Linux's ephemeral range (32768-60999), which outgoing
+    connections draw from, so one there may be taken by a connection when the node (re)starts."""
+    return (
+        f"{what} (default: any free port; a fixed one below 32768, e.g. {example}: 32768-60999 is where "
+        "Linux picks the ports of outgoing connections, so one there may be taken at a restart)"
+    )
+
+
 @dataclass(frozen=True)
 class Setting:
     """One `join` setting: a key of the config file's [node] or [store] section and, mostly, a flag
@@ -75,10 +86,10 @@ SETTINGS: tuple[Setting, ...] = (
             "address to listen on (default 127.0.0.1; use 0.0.0.0 on a public host)", "--host"),
     Setting("node", "announce_host", str, "203.0.113.20",
             "address other nodes dial for pipeline traffic (default: --host)", "--announce-host"),
-    Setting("node", "port", int, 31400, "pipeline TCP port (default: any free port)", "--port"),
-    Setting("node", "dht_port", int, 31337, "DHT (libp2p) TCP port (default: any free port)", "--dht-port"),
-    Setting("node", "health_port", int, 31401,
-            "HTTP port for /health, /status, /metrics (default: any free port)", "--health-port"),
+    Setting("node", "port", int, 31400, _port_help("pipeline TCP port", 31400), "--port"),
+    Setting("node", "dht_port", int, 31337, _port_help("DHT (libp2p) TCP port", 31337), "--dht-port"),
+    Setting("node", "health_port", int, 31401, _port_help("HTTP port for /health, /status, /metrics", 31401),
+            "--health-port"),
     Setting("node", "key_file", str, NODE_KEY,
             f"Ed25519 identity seed file (default {NODE_KEY}; created if missing)", "--key-file"),
     Setting("node", "operator_key", str, EXAMPLE_PEER_ID,
@@ -134,8 +145,9 @@ SETTINGS: tuple[Setting, ...] = (
             "--advert-ttl-s"),
     Setting("node", "poll_s", float, 1.0, "how often to look for an assignment, seconds (default 1)"),
     Setting("store", "endpoint_url", str, "https://ACCOUNT.r2.cloudflarestorage.com",
-            "S3-compatible endpoint URL (example: https://ACCOUNT.r2.cloudflarestorage.com); checked at "
-            "start: it must answer and take a write", "--store-endpoint", "URL"),
+            "required: S3-compatible endpoint URL the runs sync through (example: "
+            "https://ACCOUNT.r2.cloudflarestorage.com); checked at start: it must answer and take a write",
+            "--store-endpoint", "URL"),
     Setting("store", "bucket", str, "crucible", "bucket name (default: crucible)", "--store-bucket"),
     Setting("store", "access_key", str, "AKIA...", "access key id (default: $AWS_ACCESS_KEY_ID)",
             "--store-access-key"),
@@ -176,7 +188,7 @@ def build_parser() -> ArgumentParser:
         help=f"identity seed file (default {BOOTSTRAP_KEY}; created if missing)",
     )
     b.add_argument("--host", default="127.0.0.1", help="address to listen on (default 127.0.0.1)")
-    b.add_argument("--dht-port", default="0", help="DHT (libp2p) TCP port (default: any free port)")
+    b.add_argument("--dht-port", default="0", help=_port_help("DHT (libp2p) TCP port", 31337))
     b.add_argument("--log-level", default="INFO", help=f"{', '.join(LOG_LEVELS)} (default INFO)")
     b.add_argument(
         "--log-format",
@@ -318,7 +330,7 @@ def _check_settings(st: JoinSettings) -> None:
     """Each value within its rules (the same rules NodeConfig holds to, checked here without torch)."""
     for (section, key), v in st.values.items():
         shown = st.given.get((section, key), v)
-        bad = lambda problem, k=(section, key, shown): st.refuse(*k, problem)  # noqa: E731
+        bad = functools.partial(st.refuse, section, key, shown)  # bad(problem) -> the UsageError
         if key in ("port", "dht_port", "health_port") and not 0 <= v <= 65535:
             raise bad("not a TCP port: 1-65535, or 0 for any free port")
         if key == "price_per_hour" and not (math.isfinite(v) and 0 <= v <= MAX_PRICE_PER_HOUR):
@@ -362,6 +374,13 @@ def _check_settings(st: JoinSettings) -> None:
         raise UsageError(
             f"a store is configured ({', '.join(st.label('store', k) for k in store_keys)}) without an "
             "endpoint: pass --store-endpoint URL (example: --store-endpoint https://ACCOUNT.r2.cloudflarestorage.com)"
+        )
+    if not st.get("store", "endpoint_url"):  # every stage syncs through it: a node without one takes no work
+        raise UsageError(
+            "--store-endpoint is required: every stage exchanges its outer-sync fragments and checkpoints "
+            "through the run's object store, so a node without one can never take work. Give the "
+            "operator's S3-compatible endpoint (example: --store-endpoint "
+            "https://ACCOUNT.r2.cloudflarestorage.com --store-bucket crucible), or endpoint_url in [store]"
         )
     if bool(st.get("store", "access_key")) != bool(st.get("store", "secret_key")):
         raise UsageError(
@@ -493,12 +512,6 @@ def preflight_join(st: JoinSettings) -> tuple[Identity, IO[str] | None]:
     check_ports(
         host, [(st.label("node", k), st.get("node", k, 0)) for k in ("port", "health_port", "dht_port")]
     )
-    if st.get("store", "endpoint_url"):
-        from protocol.store import StoreConfig
-
-        store = {k: v for (section, k), v in st.values.items() if section == "store"}
-        labels = {s.key: st.label("store", s.key) for s in SETTINGS if s.section == "store"}
-        check_store(StoreConfig(**store), ident.peer_id, labels)
     device = st.get("node", "device", "auto").strip().lower()
     if device not in ("auto", "cpu"):  # a GPU named outright: ask torch (seconds) whether it is there
         from node.device import DeviceError, resolve_device
@@ -507,6 +520,12 @@ def preflight_join(st: JoinSettings) -> tuple[Identity, IO[str] | None]:
             resolve_device(device)  # claims nothing for a named GPU
         except DeviceError as e:
             raise UsageError(str(e).replace("--device", st.label("node", "device"), 1)) from e
+    # this host first (key, ports, device), then the network: the store, the bootstrap peer
+    from protocol.store import StoreConfig
+
+    store = {k: v for (section, k), v in st.values.items() if section == "store"}
+    labels = {s.key: st.label("store", s.key) for s in SETTINGS if s.section == "store"}
+    check_store(StoreConfig(**store), ident.peer_id, labels)
     check_bootstrap(st.label("node", "bootstrap"), bootstrap)
     return ident, key_lock
 
@@ -536,10 +555,6 @@ def cmd_join(args: argparse.Namespace) -> int:
     except ValueError as e:  # e.g. --device cuda on a host without one
         raise UsageError(str(e)) from e
     _install_signals(daemon.stop_event.set)
-    if daemon.store is None:
-        log.warning(
-            "no --store-endpoint (or [store] endpoint_url): this node cannot take assignments until it has one"
-        )
     print(
         f"crucible-node ready: peer_id={daemon.peer_id} pipeline={cfg.announce_host or cfg.host}:{daemon.acceptor.port} "
         f"health=http://{cfg.host}:{daemon.health.port}/health device={daemon.device} "

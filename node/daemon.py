@@ -1,9 +1,9 @@
 """The node daemon: joins the DHT, advertises capacity, takes signed assignments and runs its stage.
 
-Threads: the main thread polls the DHT for this node's assignment and its run's state; the advert thread
-refreshes the signed advert before its TTL runs out; the worker thread trains; link, acceptor and
-health threads serve I/O. SIGINT/SIGTERM stop the worker at the next step boundary, then everything
-closes in order and the process exits 0.
+Threads: the main thread polls the DHT for this node's assignment (a current one only: `AssignmentSource`)
+and its run's state; the advert thread refreshes the signed advert before its TTL runs out; the worker
+thread trains; link, acceptor and health threads serve I/O. SIGINT/SIGTERM stop the worker at the next
+step boundary, then everything closes in order and the process exits 0.
 """
 
 from __future__ import annotations
@@ -27,10 +27,11 @@ from node.metrics import NodeMetrics, node_families
 from node.preflight import refuse_if_taken, refuse_live_twin
 from node.probe import device_name, measure_reference_block, measure_store_mbps, measure_tflops, memory_gb
 from node.transport import LinkError, Shaper, listen
-from node.worker import StageWorker, WorkerMetrics
+from node.worker import LN2, StageWorker, WorkerMetrics
 from protocol import keys
 from protocol.delegation import OperatorTrust, RefusalLog
 from protocol.dht_client import DHTClient, dht_time
+from protocol.envelope import open_envelope
 from protocol.identity import Identity, public_key_of_peer_id
 from protocol.memory import GB, fits, stage_memory
 from protocol.messages import (
@@ -43,6 +44,7 @@ from protocol.messages import (
     RunRecord,
 )
 from protocol.metrics import render
+from protocol.msgpack_limits import unpack_bounded
 from protocol.schema import ProtocolError, check_range
 from protocol.store import ObjectStore, StoreConfig, StoreError
 
@@ -51,6 +53,15 @@ VERSION = "0.1.0"
 ADVERTISED_PEERS = 16
 """Measured links a node advertises (the most recent ones)."""
 ADVERT_ERROR_CHARS = 500  # the reason a failed assignment is advertised with, cut to keep adverts small
+ENDED = ("stopping", "stopped", "done", "failed")
+"""Run states in which no node takes the run's work, or keeps doing it."""
+ARCHIVE_READS = 4
+"""Newer assignment archives read at most to judge one assignment: junk a store writer planted under
+archive names costs a few GETs and supersedes nothing (only what a trusted key signed counts)."""
+MAX_ARCHIVE_BYTES = 64 * 1024 * 1024
+"""A run's archived assignments, a few KB per node (the bound coordinator/service.py writes within)."""
+MAX_JUDGED = 1024
+"""Stale assignments remembered (then forgotten all at once, and judged again if still published)."""
 
 
 @dataclass(kw_only=True, frozen=True)
@@ -188,15 +199,162 @@ def _same_slot(a: Assignment, b: Assignment) -> bool:
     )
 
 
+def archive_slot(run_id: str, key: str) -> tuple[int, int] | None:
+    """(term, epoch) of an assignment archive's store key, `{run}/assign/{term}-{epoch}` (protocol/keys.py),
+    or None for any other name."""
+    prefix = f"{run_id}/assign/"
+    term, sep, epoch = key.removeprefix(prefix).partition("-")
+    if not (key.startswith(prefix) and sep and term.isdecimal() and epoch.isdecimal()):
+        return None
+    if len(term) > 19 or len(epoch) > 19:  # beyond MAX_COUNT: nobody's term
+        return None
+    return int(term), int(epoch)
+
+
+class AssignmentSource:
+    """Which of this node's signed assignments in the DHT it may act on.
+
+    Within a run assignments are ordered by (term, epoch). A coordinator moves to a new epoch whenever it
+    re-places (a replica rebuilt, a replica dropping out) and issues every slot that goes on at that
+    (term, epoch); a taker-over re-issues them all under its higher term. A slot left out (its replica
+    dropped out, its node was replaced) keeps its older assignment in the DHT, republished while the run
+    is active, and in the archives the coordinators write to the store ({run}/assign/{term}-{epoch}). So,
+    with A the trusted assignments of the run in those archives,
+
+        current(a)  <=>  state(run) not in ENDED  and  no b in A has (b.term, b.epoch) > (a.term, a.epoch)
+
+    and a node acts only on a current assignment: one restarted after its replica dropped out (it holds
+    nothing to compare with) does not start its old slot again, nor the slot of a run that is over.
+    Judging costs a LIST of the run's archives (GETs only of newer ones): a current assignment is acted
+    on at once, a stale one is remembered. A missing run record or archive judges nothing stale: without
+    them the node works as before."""
+
+    def __init__(
+        self, peer_id: str, dht: DHTClient, store: ObjectStore, trust: OperatorTrust, refusals: RefusalLog
+    ) -> None:
+        self.peer_id, self.dht, self.store, self.trust, self.refusals = peer_id, dht, store, trust, refusals
+        self._stale: dict[tuple[str, int, int, float], str] = {}
+        """(run, term, epoch, issued_at) -> why that assignment is not current."""
+        self.last_ignored: dict | None = None
+        """The last assignment found not current and why, for /status."""
+
+    def found(self) -> list[Assignment]:
+        """This node's assignments in the DHT that a trusted key signed."""
+        found = [
+            s.body
+            for s in self.trust.filter(
+                self.dht.get_all(keys.assignment_key(self.peer_id), Assignment).values(), self.refusals
+            )
+        ]
+        for a in found:
+            if a.peer_id != self.peer_id:
+                log.warning("ignoring assignment for %s found under this node's key", a.peer_id)
+        return [a for a in found if a.peer_id == self.peer_id]
+
+    @staticmethod
+    def newest(found: list[Assignment]) -> list[Assignment]:
+        """The newest (term, epoch) of each run in `found`, the most recently issued first: within a run a
+        deposed coordinator (lower term) loses whatever its clock says; terms of different runs do not
+        compare."""
+        best: dict[str, Assignment] = {}
+        for a in found:
+            if a.run_id not in best or (a.term, a.epoch) > (best[a.run_id].term, best[a.run_id].epoch):
+                best[a.run_id] = a
+        return sorted(best.values(), key=lambda a: -a.issued_at)
+
+    def run_state(self, run_id: str) -> str | None:
+        """The run's state in its newest trusted record in the DHT (None: no record)."""
+        recs = [
+            s.body
+            for s in self.trust.filter(self.dht.get_all(keys.RUNS_KEY, RunRecord).values(), self.refusals)
+            if s.body.spec.run_id == run_id
+        ]
+        return max(recs, key=lambda r: r.updated).state if recs else None
+
+    def newer_in_archive(self, a: Assignment) -> tuple[int, int] | None:
+        """The (term, epoch) of a trusted assignment of `a`'s run newer than `a`, from the store's
+        archives (None: none is)."""
+        newer = sorted(
+            (slot, key)
+            for key in self.store.list(f"{a.run_id}/assign/")
+            if (slot := archive_slot(a.run_id, key)) is not None and slot > (a.term, a.epoch)
+        )
+        for _, key in reversed(newer[-ARCHIVE_READS:]):
+            try:
+                blob = self.store.get(key, max_bytes=MAX_ARCHIVE_BYTES)
+                if blob is None:
+                    continue
+                envelopes = unpack_bounded(
+                    blob, "assignment archive", max_bytes=MAX_ARCHIVE_BYTES, max_values=1 << 16, max_depth=1
+                )
+                if not isinstance(envelopes, list):
+                    raise ProtocolError("the assignment archive is not a list of envelopes")
+                slots = []
+                for e in envelopes:
+                    b = self.trust.admit(open_envelope(e, Assignment)).body
+                    if b.run_id == a.run_id and (b.term, b.epoch) > (a.term, a.epoch):
+                        slots.append((b.term, b.epoch))
+            except (StoreError, ProtocolError, ValueError) as e:  # ValueError: a bad signature
+                log.info("run %s: ignoring assignment archive %s: %s", a.run_id, key, e)
+                continue
+            if slots:
+                return max(slots)
+        return None
+
+    def why_not_current(self, a: Assignment) -> str | None:
+        """Why `a` is not to be acted on (the run is over, a newer epoch superseded it), or None; said
+        once per assignment in the log."""
+        key = (a.run_id, a.term, a.epoch, a.issued_at)
+        if key in self._stale:
+            return self._stale[key]
+        why = None
+        state = self.run_state(a.run_id)
+        if state in ENDED:
+            why = f"run {a.run_id} is {state}"
+        elif (newer := self.newer_in_archive(a)) is not None:
+            why = (
+                f"superseded by term {newer[0]} epoch {newer[1]} of run {a.run_id} (its replica dropped out, "
+                "or its slot went to another node); waiting for a current assignment"
+            )
+        if why is not None:
+            if len(self._stale) >= MAX_JUDGED:
+                self._stale.clear()
+            self._stale[key] = why
+            self.last_ignored = {
+                "run_id": a.run_id,
+                "term": a.term,
+                "epoch": a.epoch,
+                "replica": a.replica,
+                "stage": a.stage,
+                "reason": why,
+            }
+            log.info(
+                "ignoring the assignment of run %s replica %d stage %d (term %d, epoch %d): %s",
+                a.run_id,
+                a.replica,
+                a.stage,
+                a.term,
+                a.epoch,
+                why,
+            )
+        return why
+
+
 class NodeDaemon:
     def __init__(self, cfg: NodeConfig, identity: Identity) -> None:
         self.cfg, self.identity = cfg, identity
+        if not cfg.operator_key:  # no trust root, no assignments: a stranger could point the stage anywhere
+            raise ValueError("operator_key is required: the node trusts runs and assignments from it alone")
+        if cfg.store is None:  # every stage syncs through the store: without one no assignment can run
+            raise ValueError(
+                "store is required (--store-endpoint URL, or [store] endpoint_url): every stage exchanges "
+                "its outer-sync fragments and checkpoints there "
+                "(example: --store-endpoint https://ACCOUNT.r2.cloudflarestorage.com)"
+            )
         try:
             self.device, self._device_claim = resolve_device(cfg.device)
         except DeviceError as e:
             raise ValueError(str(e)) from e
-        if not cfg.operator_key:  # no trust root, no assignments: a stranger could point the stage anywhere
-            raise ValueError("operator_key is required: the node trusts runs and assignments from it alone")
         # the operator's key and the coordinator keys it certified (protocol/delegation.py); refusals are
         # logged once per signer and reason
         self.trust = OperatorTrust.of({public_key_of_peer_id(cfg.operator_key)})
@@ -212,7 +370,7 @@ class NodeDaemon:
         self._worker_thread: threading.Thread | None = None
         self._worker: StageWorker | None = None
         try:
-            self.store = ObjectStore(cfg.store) if cfg.store else None
+            self.store = ObjectStore(cfg.store)
         except StoreError as e:  # e.g. a remote store and no credentials anywhere
             raise ValueError(str(e)) from e
         self.data = DataSource(cfg.data_root, self.store)  # corpora stay open across assignments
@@ -237,6 +395,7 @@ class NodeDaemon:
                 raise
             undo.callback(self.dht.shutdown)
             refuse_live_twin(self.dht, self.peer_id)  # before our own health server answers for our id
+            self.source = AssignmentSource(self.peer_id, self.dht, self.store, self.trust, self.refusals)
             log.info("node trains on %s", describe(self.device))  # past the checks that refuse a start
             try:
                 self.health = HealthServer(cfg.host, cfg.health_port, self.status, self.prometheus)
@@ -250,7 +409,7 @@ class NodeDaemon:
             self.default_precision = resolve_precision("auto", self.device)
             self.tflops = self.tflops_bf16 if self.default_precision == "bf16" else self.tflops_fp32
             self.ref_block, self.ref_block_s = measure_reference_block(self.device, self.default_precision)
-            self.store_mbps = measure_store_mbps(self.store) if self.store else 0.0
+            self.store_mbps = measure_store_mbps(self.store)
             self._advert_thread = threading.Thread(target=self._advert_loop, name="advert", daemon=True)
             self._probe_thread = threading.Thread(target=self._probe_loop, name="link-probe", daemon=True)
             try:  # advertised before "ready": a second process with this peer id started now finds it
@@ -324,8 +483,9 @@ class NodeDaemon:
             stage=m.stage,
             epoch=self.assignment.epoch if self.assignment else 0,
             step=m.step,
-            loss=m.loss,
-            val_bpb=m.val_bpb,
+            # the advert's units: nats per token, bits per byte
+            loss=None if m.train_loss_bits_per_token is None else m.train_loss_bits_per_token * LN2,
+            val_bpb=m.validation_loss_bits_per_byte,
             tokens_per_s=round(m.tokens_per_s, 1),
             bytes_pipe=m.bytes_pipe_sent + m.bytes_pipe_recv,
             bytes_store=m.bytes_store_up + m.bytes_store_down,
@@ -407,30 +567,15 @@ class NodeDaemon:
                 "replica": a.replica,
                 "stage": a.stage,
             },
+            "ignored_assignment": self.source.last_ignored,
             "metrics": self.metrics.as_dict(),
         }
 
     # --- assignments ------------------------------------------------------------------------------
     def _poll_assignment(self) -> Assignment | None:
-        found = [
-            s.body
-            for s in self.trust.filter(
-                self.dht.get_all(keys.assignment_key(self.peer_id), Assignment).values(), self.refusals
-            )
-        ]
-        for a in found:
-            if a.peer_id != self.peer_id:
-                log.warning("ignoring assignment for %s found under this node's key", a.peer_id)
-        mine = [a for a in found if a.peer_id == self.peer_id]
-        if not mine:
-            return None
-        # within a run the order is (term, epoch): a deposed coordinator (lower term) loses whatever its
-        # clock says; terms of different runs do not compare, so between runs the newest issued wins
-        best: dict[str, Assignment] = {}
-        for x in mine:
-            if x.run_id not in best or (x.term, x.epoch) > (best[x.run_id].term, best[x.run_id].epoch):
-                best[x.run_id] = x
-        a = max(best.values(), key=lambda x: x.issued_at)
+        """The assignment to act on now, if it differs from the one held (AssignmentSource: current ones
+        only); None to carry on as before."""
+        mine = self.source.found()
         cur = self.assignment
         for x in mine:  # e.g. what a deposed coordinator still signs at its lower term: said once each
             if cur is not None and x.run_id == cur.run_id and (x.term, x.epoch) < (cur.term, cur.epoch):
@@ -444,10 +589,15 @@ class NodeDaemon:
                         cur.term,
                         cur.epoch,
                     )
-        if cur is not None and a.run_id == cur.run_id and (a.term, a.epoch) <= (cur.term, cur.epoch):
+        for a in self.source.newest(mine):  # the most recently issued current one
+            if cur is not None and a.run_id == cur.run_id and (a.term, a.epoch) <= (cur.term, cur.epoch):
+                return None
+            if a.stage == -1:  # released by the coordinator
+                return a
+            if self.source.why_not_current(a) is None:
+                break
+        else:
             return None
-        if a.stage == -1:  # released by the coordinator
-            return a
         if (
             cur is not None
             and self._worker is not None
@@ -462,21 +612,7 @@ class NodeDaemon:
                 "run %s: epoch %d updates the other replicas' signers; training goes on", a.run_id, a.epoch
             )
             return None
-        if self.store is None:
-            log.error(
-                "assignment to run %s ignored: this node has no object store configured (--store-endpoint)",
-                a.run_id,
-            )
-            return None
         return a
-
-    def _run_state(self, run_id: str) -> str | None:
-        recs = [
-            s.body
-            for s in self.trust.filter(self.dht.get_all(keys.RUNS_KEY, RunRecord).values(), self.refusals)
-            if s.body.spec.run_id == run_id
-        ]
-        return max(recs, key=lambda r: r.updated).state if recs else None
 
     def _free_bytes(self) -> int:
         """Memory a new stage could use now (the caching allocator's idle blocks count as free)."""
@@ -497,7 +633,6 @@ class NodeDaemon:
         self.assignment = a
         self._stop_reason = None
         self.metrics = WorkerMetrics(state="assigned", run_id=a.run_id, replica=a.replica, stage=a.stage)
-        assert self.store is not None
         self._worker = worker = StageWorker(
             a,
             identity=self.identity,
@@ -516,9 +651,15 @@ class NodeDaemon:
                 reason = worker.run()
                 log.info("run %s replica %d stage %d: %s", a.run_id, a.replica, a.stage, reason)
             except (LinkError, ProtocolError, StoreError, TimeoutError) as e:  # the swarm around us failed
-                if self._stopped_by_operator(a):  # a neighbour stopped first and closed our link
+                if self._run_ended(a):  # a neighbour stopped first and closed our link
                     self.metrics.state, self.metrics.error = "idle", ""
-                    log.info("run %s replica %d stage %d: stopped by operator", a.run_id, a.replica, a.stage)
+                    log.info(
+                        "run %s replica %d stage %d: %s",
+                        a.run_id,
+                        a.replica,
+                        a.stage,
+                        self._stop_reason or "stopped by operator",
+                    )
                 else:
                     self._worker_failed(a, str(e))
             except DataError as e:  # this node's copy of the corpus or tokenizer: refused, said why
@@ -539,12 +680,13 @@ class NodeDaemon:
         self._worker_thread = threading.Thread(target=run, name="worker", daemon=True)
         self._worker_thread.start()
 
-    def _stopped_by_operator(self, a: Assignment) -> bool:
-        """Whether the run was stopped (a link broken by a stopping neighbour is then no failure)."""
+    def _run_ended(self, a: Assignment) -> bool:
+        """Whether the node stopped the worker or the run ended (stopped, done, failed): a link broken by
+        a neighbour that stopped first is then no failure."""
         if self._stop_reason is not None:
             return True
         try:
-            return self._run_state(a.run_id) in ("stopping", "stopped")
+            return self.source.run_state(a.run_id) in ENDED
         except Exception as e:  # the DHT did not answer: report the failure as it is
             log.warning("cannot read the state of run %s: %s", a.run_id, e)
             return False
@@ -615,9 +757,11 @@ class NodeDaemon:
                 a, t = self.assignment, self._worker_thread
                 if a is not None and t is not None and t.is_alive() and time.monotonic() - last_run_check > 2:
                     last_run_check = time.monotonic()
-                    if self._run_state(a.run_id) in ("stopping", "stopped"):
-                        log.info("run %s stopped by its operator", a.run_id)
-                        self._stop_reason = "stopped by operator"
+                    state = self.source.run_state(a.run_id)
+                    if state in ENDED and self._stop_reason is None:  # stopped, or over without this slot
+                        why = "stopped by operator" if state in ("stopping", "stopped") else f"run {state}"
+                        log.info("run %s: %s; stopping its worker", a.run_id, why)
+                        self._stop_reason = why
             except Exception as e:  # keep serving: a bad record or a DHT hiccup must not kill the node
                 log.warning("assignment poll failed (will retry): %s", e)
             self.stop_event.wait(self.cfg.poll_s)

@@ -1,7 +1,10 @@
 """Health and metrics over HTTP (protocol/http_server.py: capped connections, a deadline per request).
 
 GET /health  -> {"status": "ok", "peer_id": ..., "state": ...}
-GET /status  -> the node's advert fields and the current assignment's live metrics (JSON)
+GET /status  -> the node's advert fields, its assignment, the last one it ignored and why
+                (`ignored_assignment`: superseded by a newer epoch, or its run is over), and the current
+                assignment's live metrics (JSON; losses named with their units: train_loss_bits_per_token,
+                validation_loss_bits_per_byte)
 GET /metrics -> Prometheus text format (node/metrics.py)
 """
 

@@ -136,9 +136,15 @@ def node_families(
             "crucible_step", "inner steps done in the current assignment", labels=run_labels
         )
         total = GaugeMetricFamily("crucible_total_steps", "inner steps the run trains for", labels=run_labels)
-        loss = GaugeMetricFamily("crucible_loss", "last training loss (nats per token)", labels=run_labels)
+        loss = GaugeMetricFamily(
+            "crucible_train_loss_bits_per_token",
+            "last training loss of a replica's last stage, bits per token",
+            labels=run_labels,
+        )
         bpb = GaugeMetricFamily(
-            "crucible_validation_bits_per_byte", "last validation loss", labels=run_labels
+            "crucible_validation_loss_bits_per_byte",
+            "last validation loss, bits per byte of text",
+            labels=run_labels,
         )
         tps = GaugeMetricFamily(
             "crucible_tokens_per_second", "training throughput of this stage", labels=run_labels
@@ -147,10 +153,10 @@ def node_families(
             lv = list(_labels(live))
             step.add_metric(lv, live.step)
             total.add_metric(lv, live.total_steps)
-            if live.loss is not None:
-                loss.add_metric(lv, live.loss)
-            if live.val_bpb is not None:
-                bpb.add_metric(lv, live.val_bpb)
+            if live.train_loss_bits_per_token is not None:
+                loss.add_metric(lv, live.train_loss_bits_per_token)
+            if live.validation_loss_bits_per_byte is not None:
+                bpb.add_metric(lv, live.validation_loss_bits_per_byte)
             tps.add_metric(lv, live.tokens_per_s)
         yield from (step, total, loss, bpb, tps)
 

@@ -56,9 +56,13 @@ class WorkerMetrics:
     stage: int = -1
     step: int = 0
     total_steps: int = 0
-    loss: float | None = None
-    val_bpb: float | None = None
+    train_loss_bits_per_token: float | None = None
+    """The last inner step's training loss, bits per token: the mean cross-entropy in nats over ln 2 (a
+    token is a byte without a tokenizer). Only a replica's last stage computes it; None elsewhere."""
+    validation_loss_bits_per_byte: float | None = None
+    """The last validation loss, bits per byte of text whatever the tokenizer (node/tokenizer.py)."""
     val_history: list[tuple[int, float]] = field(default_factory=list)
+    """(step, validation loss in bits per byte) of every validation."""
     tokens_per_s: float = 0.0
     tokens: int = 0
     """Tokens this stage has trained on in the assignment (batch x seq_len per inner step)."""
@@ -336,8 +340,8 @@ class StageWorker:
                     m.pipe_wait_s + stats.wait_s,
                 )
                 m.tokens += tokens_per_step
-                if stats.loss is not None:
-                    m.loss = stats.loss
+                if stats.loss is not None:  # nats per token
+                    m.train_loss_bits_per_token = stats.loss / LN2
                 window_steps += 1
                 now = time.perf_counter()
                 if now - window_t > 2.0:
@@ -372,8 +376,8 @@ class StageWorker:
 
     def _log_progress(self) -> None:
         m = self.m
-        unit = "bits/token" if self.spec.train.tokenizer else "bits/byte"
-        loss = f"{m.loss / LN2:.3f} {unit}" if m.loss is not None else "-"
+        bits = m.train_loss_bits_per_token
+        loss = f"{bits:.3f} bits/token" if bits is not None else "-"
         log.info(
             "run %s r%d/s%d step %d/%d  train %s  %.0f tok/s  pipeline %.1f MB  store %.1f MB  waits: pipe %.1f s, sync %.1f s",
             self.a.run_id,
@@ -393,7 +397,7 @@ class StageWorker:
         ev = pipe.evaluate(step, val, self.spec.train.eval_batches, self._token_bytes)
         if ev is not None:
             bpb = ev.bits_per_byte  # nats / (ln 2 x text bytes): per byte whatever the tokenizer
-            self.m.val_bpb = bpb
+            self.m.validation_loss_bits_per_byte = bpb
             self.m.val_history.append((step, bpb))
             log.info("replica %d step %d: validation %.4f bits/byte", self.a.replica, step, bpb)
 

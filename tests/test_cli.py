@@ -95,10 +95,21 @@ def refused(args: list[str], home: Path, *named: str, within_s: float = ERROR_WI
     return line
 
 
-def join(*flags: str, bootstrap: str | None = None, key: bool = True) -> list[str]:
-    """`join` with an operator key, a bootstrap address nothing answers at, and the given flags."""
+def join(*flags: str, bootstrap: str | None = None, store: str | None = None) -> list[str]:
+    """`join` with an operator key, a bootstrap address nothing answers at, a store endpoint (by default
+    one nothing answers at: for mistakes found before the store is dialled), and the given flags."""
     boot = ["--bootstrap", bootstrap or f"/ip4/127.0.0.1/tcp/{closed_port()}/p2p/{OPERATOR}"]
-    return ["join", "--operator-key", OPERATOR, *boot, *flags]
+    endpoint = ["--store-endpoint", store or f"http://127.0.0.1:{closed_port()}"]
+    return ["join", "--operator-key", OPERATOR, *boot, *endpoint, *flags]
+
+
+@pytest.fixture(scope="module")
+def store_url(moto_store: str) -> str:
+    """A real S3 server (moto) holding the default bucket: for joins that get past the store check."""
+    from protocol.store import ObjectStore, StoreConfig
+
+    ObjectStore(StoreConfig(endpoint_url=moto_store)).ensure_bucket()
+    return moto_store
 
 
 # --- flags ---------------------------------------------------------------------------------------
@@ -136,8 +147,24 @@ def test_a_bootstrap_that_is_no_multiaddr(home: Path) -> None:
     assert "not a valid multiaddr" in line and "/ip4/" in line and "/p2p/" in line
 
 
-def test_an_unreachable_bootstrap_peer(home: Path) -> None:
-    refused(join(), home, "--bootstrap", "could not join the swarm", "Connection refused")
+def test_an_unreachable_bootstrap_peer(home: Path, store_url: str) -> None:
+    refused(join(store=store_url), home, "--bootstrap", "could not join the swarm", "Connection refused")
+
+
+def test_join_without_a_store_is_refused(tmp_path: Path, home: Path) -> None:
+    """Issue 19: `join` without --store-endpoint ran on as a node that could never take work (every stage
+    syncs through the store). It now refuses at once, naming the flag, with an example; so does the
+    daemon, before it binds a port."""
+    boot = f"/ip4/127.0.0.1/tcp/9/p2p/{OPERATOR}"
+    named = ("--store-endpoint is required", "never take work", "example: --store-endpoint https://")
+    refused(["join", "--operator-key", OPERATOR, "--bootstrap", boot], home, *named)
+    cfg = write(tmp_path, f'[node]\nbootstrap = ["{boot}"]\noperator_key = "{OPERATOR}"\n')
+    refused(["join", "--config", cfg], home, *named, "endpoint_url in [store]")
+    from node.daemon import NodeConfig, NodeDaemon
+    from protocol.identity import Identity
+
+    with pytest.raises(ValueError, match="store is required"):
+        NodeDaemon(NodeConfig(device="cpu", operator_key=OPERATOR), Identity.generate())
 
 
 @pytest.mark.parametrize(
@@ -254,10 +281,13 @@ def test_a_bad_value_in_the_file_is_named_by_its_key(tmp_path: Path, home: Path)
     refused(["join", "--config", str(tmp_path / "missing.toml")], home, "--config", "no such config file")
 
 
-def test_bootstrap_given_only_in_the_file_is_used(tmp_path: Path, home: Path) -> None:
+def test_bootstrap_given_only_in_the_file_is_used(tmp_path: Path, home: Path, store_url: str) -> None:
     """It used to be reported missing: here the join gets past that to dialling it (nothing answers)."""
     boot = f"/ip4/127.0.0.1/tcp/{closed_port()}/p2p/{OPERATOR}"
-    cfg = write(tmp_path, f'[node]\nbootstrap = ["{boot}"]\noperator_key = "{OPERATOR}"\n')
+    cfg = write(
+        tmp_path,
+        f'[node]\nbootstrap = ["{boot}"]\noperator_key = "{OPERATOR}"\n[store]\nendpoint_url = "{store_url}"\n',
+    )
     line = refused(["join", "--config", cfg], home, "[node] bootstrap", cfg, "could not join the swarm")
     assert "required" not in line
 

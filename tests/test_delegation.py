@@ -254,19 +254,21 @@ def test_a_certified_coordinator_serves_only_the_runs_its_certificate_covers(sto
 
 # --- a real node ----------------------------------------------------------------------------------
 @pytest.fixture
-def node(tmp_path: Path) -> Iterator[tuple[object, object, Identity]]:
+def node(tmp_path: Path, moto_store: str) -> Iterator[tuple[object, object, Identity]]:
     """(test's DHT peer, the node process, the node's identity): one `crucible-node join` trusting OPERATOR,
-    bootstrapped through the test's DHT peer."""
+    bootstrapped through the test's DHT peer, with the session's store."""
     from protocol.dht_client import DHTClient
+    from protocol.store import ObjectStore, StoreConfig
     from scripts.procs import Child
 
+    ObjectStore(StoreConfig(endpoint_url=moto_store)).ensure_bucket()
     dht = DHTClient(Identity.generate())
     key = tmp_path / "node.key"
     ident = Identity.load_or_create(key)
     child = Child(
         "node",
         ["-m", "node.cli", "join", "--bootstrap", dht.visible_maddrs()[0], "--operator-key", OPERATOR.peer_id,
-         "--key-file", str(key), "--device", "cpu", "--torch-threads", "1"],
+         "--key-file", str(key), "--device", "cpu", "--torch-threads", "1", "--store-endpoint", moto_store],
         tmp_path,
     )  # fmt: skip
     try:

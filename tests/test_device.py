@@ -122,7 +122,8 @@ def test_join_with_device_cuda_on_a_cpu_host_says_so() -> None:
     p = subprocess.run(
         [sys.executable, "-m", "node.cli", "join", "--device", "cuda", "--bootstrap",
          "/ip4/127.0.0.1/tcp/1/p2p/12D3KooWDpJ7As7BWAwRMfu1VU2WCqNjvq387JEYKDBj4kx6nXTN",
-         "--operator-key", "12D3KooWDpJ7As7BWAwRMfu1VU2WCqNjvq387JEYKDBj4kx6nXTN"],
+         "--operator-key", "12D3KooWDpJ7As7BWAwRMfu1VU2WCqNjvq387JEYKDBj4kx6nXTN",
+         "--store-endpoint", "http://127.0.0.1:1"],
         cwd=ROOT, capture_output=True, text=True, timeout=120, check=False,
     )  # fmt: skip
     assert p.returncode == 2, p.stderr

@@ -12,7 +12,8 @@ Bandwidth: a link's is what its two ends measured of each other (`NodeAdvert.pee
 of the two directions when both did), round trips likewise (`peer_rtt_ms`, the larger). Pools are
 sparse (each node probes a bounded sample of peers), so an unmeasured pair gets the smaller of the two
 nodes' median measurements (a path is as fast as its slower access link), and a node that measured
-nothing gets `CostModel.default_mbps`.
+nothing gets `CostModel.default_mbps`. A run with an in-process shaper (`pipeline.bandwidth_mbps`,
+`delay_ms`) has every link paced by it on top (`plan_links.shaped_link`).
 
 Search. Small pools (at most `EXACT_CHAINS` ordered S-chains) are solved exactly: every chain is
 scored, and the best R disjoint chains are found by branch and bound. Larger pools are built replica
@@ -40,9 +41,9 @@ from dataclasses import dataclass, field
 
 from coordinator.plan_inputs import MODELS, Host, ModelShape, RunSettings, compute_tflops, sustained_tflops
 from coordinator.plan_layout import Layout, balance_layers, stage_work
-from coordinator.plan_links import activation_bytes, id_bytes
+from coordinator.plan_links import activation_bytes, id_bytes, shaped_link
 from coordinator.plan_spec import run_settings
-from coordinator.planner import boundary_k, replica_step_s
+from coordinator.planner import Prediction, boundary_k, predict, replica_step_s
 from protocol.memory import GB, fits, precision_for_device, stage_memory
 from protocol.messages import NodeAdvert
 from protocol.runspec import RunSpec
@@ -200,11 +201,21 @@ class CostModel:
     """Mbit/s of a link, or to the store, that nothing measured."""
     default_rtt_ms: float = 0.0
     """Round trip of a link that nothing measured (0: unknown latency is not charged)."""
+    shaper_mbps: float = 0.0
+    """The run's in-process link shaper (`pipeline.bandwidth_mbps`, 0 = none): every pipeline link is
+    this rate in series with what was measured (`plan_links.shaped_link`)."""
+    shaper_delay_ms: float = 0.0
+    """The shaper's one-way delay (`pipeline.delay_ms`), added twice to every link's round trip."""
 
     def __post_init__(self) -> None:
         if not self.layers or min(self.layers) < 1 or sum(self.layers) != self.shape.n_layers:
             raise ValueError(
                 f"cost model layers {self.layers} must be >= 1 each and sum to n_layers={self.shape.n_layers}"
+            )
+        if self.shaper_mbps < 0 or self.shaper_delay_ms < 0:
+            raise ValueError(
+                f"cost model shaper_mbps={self.shaper_mbps} and shaper_delay_ms={self.shaper_delay_ms} must be "
+                ">= 0 (0: no shaper)"
             )
         if self.default_mbps <= 0 or self.default_rtt_ms < 0:
             raise ValueError(
@@ -218,6 +229,8 @@ class CostModel:
             shape=ModelShape.from_spec(spec.model),
             layers=tuple(b - a for a, b in spec.layer_ranges()),
             settings=run_settings(spec, ceiling=RunSettings().ceiling),
+            shaper_mbps=spec.pipeline.bandwidth_mbps,
+            shaper_delay_ms=spec.pipeline.delay_ms,
         )
 
     @classmethod
@@ -286,7 +299,8 @@ class _Nodes:
 
     def link(self, i: int, j: int) -> tuple[float, float]:
         """(Mbit/s, rtt ms) of the link i - j: as measured (the slower direction, the longer round trip),
-        else the smaller of the two nodes' median bandwidths and the larger of their median round trips."""
+        else the smaller of the two nodes' median bandwidths and the larger of their median round trips;
+        through the run's shaper when it has one (`CostModel.shaper_mbps`)."""
         x, y = self.mbps[i].get(j), self.mbps[j].get(i)
         if x is None and y is None:
             mbps = min(self.typ_mbps[i], self.typ_mbps[j])
@@ -297,7 +311,7 @@ class _Nodes:
             rtt = max(self.typ_rtt_ms[i], self.typ_rtt_ms[j])
         else:
             rtt = max(w for w in (u, v) if w is not None)
-        return mbps, rtt
+        return shaped_link(mbps, rtt, self.cost.shaper_mbps, self.cost.shaper_delay_ms)
 
     def score(self, chain: Sequence[int]) -> float:
         """The objective for one replica (stage s on node chain[s]): the planner's tokens/s."""
@@ -651,6 +665,13 @@ def placement_layout(placement: Placement, adverts: Mapping[str, NodeAdvert], co
         link_mbps=tuple(tuple(m for m, _ in row) for row in links),
         link_rtt_ms=tuple(tuple(t for _, t in row) for row in links),
     )
+
+
+def predict_placement(placement: Placement, adverts: Mapping[str, NodeAdvert], cost: CostModel) -> Prediction:
+    """The planner's prediction for a placement from the placed nodes' adverts (`placement_layout`, then
+    `planner.predict`): the one figure the coordinator logs at placement and its dashboard shows, and
+    that crucible-swarm prints beside what it measures (it reads it from the dashboard's API)."""
+    return predict(cost.shape, placement_layout(placement, adverts, cost), cost.settings)
 
 
 def choose_boundary_k(

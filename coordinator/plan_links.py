@@ -38,6 +38,17 @@ def transfer_s(n_bytes: float, mbps: float) -> float:
     return n_bytes * 8.0 / (mbps * 1e6)
 
 
+def shaped_link(
+    mbps: float, rtt_ms: float, shaper_mbps: float = 0.0, delay_ms: float = 0.0
+) -> tuple[float, float]:
+    """(Mbit/s, rtt ms) of a link through the run spec's in-process shaper (`pipeline.bandwidth_mbps` per
+    direction, 0 = none; `pipeline.delay_ms` one way): the shaper paces frames onto the measured path, so
+    the two rates are in series, 1/bw = 1/shaper + 1/measured, and the delay adds to the round trip twice."""
+    if shaper_mbps > 0:
+        mbps = 1.0 / (1.0 / shaper_mbps + 1.0 / mbps)
+    return mbps, rtt_ms + 2.0 * delay_ms
+
+
 def choose_k(
     *,
     d_model: int,

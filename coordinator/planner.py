@@ -63,6 +63,7 @@ __all__ = [
     "Host",
     "HostGroup",
     "Layout",
+    "LINK_WARN_SHARE",
     "LinkPlan",
     "ModelShape",
     "Pool",
@@ -79,6 +80,7 @@ __all__ = [
     "id_bytes",
     "Figures",
     "figures",
+    "figures_at",
     "load_pool",
     "naive_layout",
     "predict",
@@ -91,6 +93,10 @@ __all__ = [
     "usd_per_mtok",
     "warmup_forwards",
 ]
+
+
+LINK_WARN_SHARE = 0.02
+"""`predict` warns about links whose transfers add more than this share to their replica's step."""
 
 
 @dataclass(kw_only=True, frozen=True)
@@ -108,6 +114,9 @@ class LinkPlan:
     """Compute hides the transfer: replayed with this link's messages instantaneous (latency kept),
     the step is shorter by no more than 2 transfer_s, the first forward's and the last backward's,
     which no schedule can hide."""
+    added_s: float = 0.0
+    """What this link's transfers add to its replica's step: the step minus the step replayed with this
+    link's messages instantaneous (latency kept)."""
 
 
 @dataclass(kw_only=True, frozen=True)
@@ -313,6 +322,10 @@ def _replica_step(
     half_rtt = [rt / 2 for rt in ln.rtt]
     step = _replay(ln, settings, t_x, half_rtt)
     step_ideal_links = _replay(ln, settings, [0.0] * (S - 1), [0.0] * (S - 1))
+    added = [
+        step - _replay(ln, settings, [0.0 if j == i else x for j, x in enumerate(t_x)], half_rtt)
+        for i in range(S - 1)
+    ]
     links = [
         LinkPlan(
             replica=r,
@@ -321,8 +334,8 @@ def _replica_step(
             bytes_per_microbatch=ln.sizes[i],
             transfer_s=t_x[i],
             rtt_ms=ln.rtt[i] * 1e3,
-            hidden=step - _replay(ln, settings, [0.0 if j == i else x for j, x in enumerate(t_x)], half_rtt)
-            <= 2 * t_x[i] + 1e-6 * step,
+            hidden=added[i] <= 2 * t_x[i] + 1e-6 * step,
+            added_s=max(0.0, added[i]),
         )
         for i in range(S - 1)
     ]
@@ -365,6 +378,22 @@ def figures(shape: ModelShape, layout: Layout, settings: RunSettings, tokens_per
         tax=1.0 - mfu / settings.ceiling,
         usd_per_mtok=usd_per_mtok(usd, tokens_per_s) if tokens_per_s > 0 else None,
     )
+
+
+def figures_at(fig: Figures, fig_tokens_per_s: float, tokens_per_s: float) -> Figures:
+    """`figures` of the same layout at another tokens/s, from its figures at `fig_tokens_per_s`: MFU is
+    proportional to tokens/s (the layout's peaks and FLOPs/token do not change), $/Mtok inversely (nor do
+    its $/h), and tax = 1 - MFU / ceiling with ceiling = MFU / (1 - tax). For a measured tokens/s next to
+    a prediction that gives only its figures (crucible-swarm's report beside the coordinator's)."""
+    if not fig_tokens_per_s > 0 or not fig.effective_mfu > 0 or not fig.tax < 1:
+        raise ValueError(
+            f"figures at {fig_tokens_per_s} tokens/s (MFU {fig.effective_mfu}) cannot be rescaled"
+        )
+    ratio = tokens_per_s / fig_tokens_per_s
+    mfu = fig.effective_mfu * ratio
+    ceiling = fig.effective_mfu / (1.0 - fig.tax)
+    usd = fig.usd_per_mtok / ratio if fig.usd_per_mtok is not None and tokens_per_s > 0 else None
+    return Figures(effective_mfu=mfu, tax=1.0 - mfu / ceiling, usd_per_mtok=usd)
 
 
 def predict(shape: ModelShape, layout: Layout, settings: RunSettings) -> Prediction:
@@ -443,11 +472,16 @@ def predict(shape: ModelShape, layout: Layout, settings: RunSettings) -> Predict
             f"memory exceeds 90% on {len(full)} host(s), e.g. {h.name}: stage {s} needs {need[s] / memory.GB:.1f} "
             f"of {h.memory_gb:.0f} GB; lower microbatch_size or extra_in_flight, or use more stages"
         )
-    slow = [ln for ln in links if not ln.hidden]
+    # a link is worth a warning when its transfers cost the step more than LINK_WARN_SHARE of it: on a
+    # fast link (loopback, a datacenter) a message that the schedule cannot fully hide still costs nothing
+    step_of = {r: st.step_s for r, st in enumerate(steps)}
+    slow = [ln for ln in links if not ln.hidden and ln.added_s > LINK_WARN_SHARE * step_of[ln.replica]]
     if slow:
         warnings.append(
-            f"{len(slow)} of {len(links)} link messages add to the step (k down to {min(ln.k for ln in slow)}): "
-            "add bandwidth, lower k, or (1F1B) raise extra_in_flight to cover the round trips"
+            f"{len(slow)} of {len(links)} link messages add to the step (up to "
+            f"{max(ln.added_s / step_of[ln.replica] for ln in slow):.0%} of it; k down to "
+            f"{min(ln.k for ln in slow)}): add bandwidth, lower k, or (1F1B) raise extra_in_flight to cover "
+            "the round trips"
         )
     for r, (hosts, st) in enumerate(zip(layout.replicas, steps, strict=True)):
         # each replica's store links against the fragment schedule: a fragment every H/P steps, each

@@ -7,6 +7,11 @@ the coordinator's /metrics).
     loss       = mean over replicas of the last stage's training loss (nats/token)
     MFU, tax, $/Mtok: the planner's definitions (coordinator/planner.py `figures`) at the measured tokens/s,
                       over the placed nodes as placement sees them (one cost model)
+    bytes      = summed over every node the run has had (`CumulativeCounters`): a node's counters count
+                 its current assignment, so a node that died, or was given a new assignment, keeps what
+                 it moved before                                  # the plot never dips at a rebuild
+    prediction = `prediction_view` of coordinator/placement.py `predict_placement`: the planner on the
+                 placed nodes' adverts; the dashboard shows it and crucible-swarm prints it
 """
 
 from __future__ import annotations
@@ -14,12 +19,12 @@ from __future__ import annotations
 import math
 import threading
 import time
-from collections import deque
+from collections import Counter, deque
 from collections.abc import Mapping
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, field, replace
 
 from coordinator.placement import CostModel, Placement, placement_layout
-from coordinator.planner import figures
+from coordinator.planner import Prediction, figures
 from protocol.messages import NodeAdvert
 from protocol.runspec import RunSpec
 
@@ -41,15 +46,55 @@ class Sample:
     tax: float
     usd_per_mtok: float | None
     bytes_pipe: int
-    """Pipeline bytes sent + received by the run's nodes so far (their current assignments)."""
+    """Pipeline bytes sent + received by the run's nodes so far: `sample` sums their current assignments'
+    counts, `History.add` keeps it cumulative over every node the run had."""
     bytes_store: int
-    """Object-store bytes up + down by the run's nodes so far."""
+    """Object-store bytes up + down by the run's nodes so far (as `bytes_pipe`)."""
     nodes_training: int
+    per_node: tuple[tuple[str, int, int], ...] = field(default=(), repr=False)
+    """(peer id, bytes_pipe, bytes_store) of each node counted: what `History.add` makes the totals
+    cumulative from (not in `as_dict`)."""
 
     def as_dict(self) -> dict:
         return {
-            k: (None if isinstance(v, float) and not math.isfinite(v) else v) for k, v in asdict(self).items()
+            k: (None if isinstance(v, float) and not math.isfinite(v) else v)
+            for k, v in asdict(self).items()
+            if k != "per_node"
         }
+
+
+class CumulativeCounters:
+    """Counters summed over every source that ever reported them, across restarts.
+
+    A source (a node) reports counts since its current start; when a count goes down the source
+    restarted (a new assignment, a new process), so what it had counted is banked. A source that stops
+    reporting (it died) keeps its last counts. So a total never decreases."""
+
+    def __init__(self) -> None:
+        self._last: dict[str, dict[str, int]] = {}
+        self._banked: Counter[str] = Counter()
+
+    def observe(self, source: str, counts: Mapping[str, int]) -> None:
+        last = self._last.setdefault(source, {})
+        for name, value in counts.items():
+            if value < last.get(name, 0):
+                self._banked[name] += last[name]
+            last[name] = value
+
+    def total(self, name: str) -> int:
+        return self._banked[name] + sum(c.get(name, 0) for c in self._last.values())
+
+
+def prediction_view(p: Prediction) -> dict:
+    """The planner's prediction for a placement as the coordinator publishes it (`/api/runs/RUN`
+    "prediction"): what the dashboard shows and crucible-swarm prints."""
+    return {
+        "tokens_per_s": p.tokens_per_s,
+        "effective_mfu": p.effective_mfu,
+        "tax": p.tax,
+        "usd_per_mtok": p.usd_per_mtok,
+        "warnings": list(p.warnings),
+    }
 
 
 def _mean(xs: list[float]) -> float | None:
@@ -96,6 +141,7 @@ def sample(spec: RunSpec, placement: Placement, adverts: Mapping[str, NodeAdvert
         bytes_pipe=sum(a.bytes_pipe for a in mine.values()),
         bytes_store=sum(a.bytes_store for a in mine.values()),
         nodes_training=sum(a.state == "training" for a in mine.values()),
+        per_node=tuple((a.peer_id, a.bytes_pipe, a.bytes_store) for a in mine.values()),
     )
 
 
@@ -105,10 +151,17 @@ class History:
     def __init__(self, maxlen: int = HISTORY_SAMPLES, every_s: float = SAMPLE_EVERY_S) -> None:
         self._lock = threading.Lock()
         self._runs: dict[str, deque[Sample]] = {}
+        self._bytes: dict[str, CumulativeCounters] = {}
         self.maxlen, self.every_s = maxlen, every_s
 
     def add(self, run_id: str, s: Sample) -> None:
+        """Keep `s`, its bytes made cumulative over the run's nodes (module docstring)."""
         with self._lock:
+            if s.per_node:
+                c = self._bytes.setdefault(run_id, CumulativeCounters())
+                for peer, pipe, store in s.per_node:
+                    c.observe(peer, {"pipe": pipe, "store": store})
+                s = replace(s, bytes_pipe=c.total("pipe"), bytes_store=c.total("store"))
             q = self._runs.setdefault(run_id, deque(maxlen=self.maxlen))
             if q and s.t - q[-1].t < self.every_s:
                 q[-1] = s  # the newest figures, at most one sample per every_s
@@ -125,4 +178,4 @@ class History:
             return q[-1] if q else None
 
 
-__all__ = ["HISTORY_SAMPLES", "History", "Sample", "sample"]
+__all__ = ["HISTORY_SAMPLES", "CumulativeCounters", "History", "Sample", "prediction_view", "sample"]

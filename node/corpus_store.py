@@ -6,6 +6,11 @@
 then streams each shard to a content-addressed cache on disk (`{cache}/shards/{sha256}`), checking its
 size and sha256 as it arrives; a shard already cached is not fetched again. Nothing is held in memory:
 node/data.py reads windows of the cached files.
+
+A run's tokenizer.json can travel the same way (`publish_tokenizer`, `fetch_tokenizer`): one object at an
+`s3://bucket/key` the spec names in `train.tokenizer`, checked against `train.tokenizer_sha256` as it
+arrives, so no node needs a local path (`crucible-swarm --tokenizer FILE --data-in-store` puts it at
+`s3://crucible/tokenizers/<sha256>.json`).
 """
 
 from __future__ import annotations
@@ -62,6 +67,45 @@ def publish_corpus(store: ObjectStore, scan: CorpusScan, url: str) -> tuple[list
             )
     target.put(manifest_key(prefix), manifest_bytes(entries))
     return entries, corpus_sha256(entries)
+
+
+def publish_tokenizer(store: ObjectStore, data: bytes, url: str) -> str:
+    """Upload a tokenizer.json's bytes to `url` (s3://bucket/key); returns their sha256 (the spec's
+    train.tokenizer_sha256)."""
+    bucket, key = parse_store_url(url)
+    if not key:
+        raise DataError(
+            f"train.tokenizer {url!r} names a bucket, not an object (example: s3://crucible/tok.json)"
+        )
+    store_for(store, bucket).put(key, data)
+    return hashlib.sha256(data).hexdigest()
+
+
+def fetch_tokenizer(
+    store: ObjectStore, url: str, expected_sha256: str = "", max_bytes: int = 64 << 20
+) -> bytes:
+    """The tokenizer.json at `url`, at most `max_bytes`; DataError when it is missing, unreadable or (with
+    `expected_sha256`) not the one the run spec names."""
+    try:
+        bucket, key = parse_store_url(url)
+    except ManifestError as e:
+        raise DataError(f"train.tokenizer {url!r}: {e}") from e
+    try:
+        data = store_for(store, bucket).get(key, max_bytes=max_bytes)
+    except StoreError as e:
+        raise DataError(f"train.tokenizer {url!r}: {e}") from e
+    if data is None:
+        raise DataError(
+            f"train.tokenizer {url!r} does not exist in the store: upload it with "
+            "node.corpus_store.publish_tokenizer, or `crucible-swarm --tokenizer FILE --data-in-store`"
+        )
+    found = hashlib.sha256(data).hexdigest()
+    if expected_sha256 and found != expected_sha256:
+        raise DataError(
+            f"train.tokenizer {url!r} in the store has sha256 {found}, the run spec says {expected_sha256} "
+            "(replaced or damaged in the store)"
+        )
+    return data
 
 
 def read_manifest(store: ObjectStore, url: str, expected_sha256: str = "") -> tuple[list[ShardEntry], str]:

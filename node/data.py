@@ -27,7 +27,7 @@ import numpy as np
 import torch
 
 from node.corpus_files import DataError, manifest_of, scan_corpus
-from node.corpus_store import fetch_corpus, store_for
+from node.corpus_store import fetch_corpus, fetch_tokenizer
 from node.tokenizer import (
     MAX_TOKENIZER_BYTES,
     LoadedTokenizer,
@@ -36,9 +36,9 @@ from node.tokenizer import (
     parse_tokenizer,
     token_byte_lengths,
 )
-from protocol.corpus import corpus_sha256, is_store_url, parse_store_url
+from protocol.corpus import corpus_sha256, is_store_url
 from protocol.runspec import TrainSpec
-from protocol.store import ObjectStore, StoreError
+from protocol.store import ObjectStore
 
 __all__ = ["Corpus", "DataError", "DataSource", "ShardReader", "TokenSpan", "load_corpus"]
 
@@ -226,15 +226,8 @@ class DataSource:
         if not ref:
             return None
         if is_store_url(ref):
-            bucket, key = parse_store_url(ref)
-            try:
-                data = store_for(self._need_store("train.tokenizer", ref), bucket).get(
-                    key, max_bytes=MAX_TOKENIZER_BYTES
-                )
-            except StoreError as e:
-                raise DataError(f"train.tokenizer {ref!r}: {e}") from e
-            if data is None:
-                raise DataError(f"train.tokenizer {ref!r} does not exist in the store")
+            store = self._need_store("train.tokenizer", ref)
+            data = fetch_tokenizer(store, ref, train.tokenizer_sha256, MAX_TOKENIZER_BYTES)
         else:
             path = Path(self.local_path(ref)).expanduser()
             try:

@@ -38,6 +38,10 @@ Reported: tokens/s from planner.predict at phi (one cost model); MFU against the
 peak, so the figure does not depend on how the cores were shared); tax = 1 - MFU / ceiling; $/Mtok at
 the nodes' advertised price per node-hour.
 
+crucible-swarm calibrates before it starts its nodes: a node times its matmul and reference block as it
+starts (its advert, which the coordinator's prediction and placement use), and the probes here would take
+the cores those timings need.
+
   python -m scripts.calibrate_local runs/<run>/run.toml [--store-endpoint http://127.0.0.1:PORT]
 """
 
@@ -56,6 +60,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass, replace
 
 from coordinator.accelerators import measure_cpu_tflops
+from coordinator.plan_links import shaped_link
 from coordinator.plan_spec import run_settings
 from coordinator.planner import (
     HostGroup,
@@ -344,9 +349,7 @@ def probe_stages(
 
 def link_figures(spec: RunSpec, loopback_mbps: float, loopback_rtt_ms: float) -> tuple[float, float]:
     """(Mbit/s, rtt ms) of a pipeline link: the shaper in series with loopback (module docstring)."""
-    p = spec.pipeline
-    mbps = loopback_mbps if p.bandwidth_mbps <= 0 else 1.0 / (1.0 / p.bandwidth_mbps + 1.0 / loopback_mbps)
-    return mbps, 2.0 * p.delay_ms + loopback_rtt_ms
+    return shaped_link(loopback_mbps, loopback_rtt_ms, spec.pipeline.bandwidth_mbps, spec.pipeline.delay_ms)
 
 
 def calibrate(
@@ -485,7 +488,7 @@ def describe(cal: Calibration, model: LocalSwarmModel) -> str:
             f"{model.ceiling:.1%}), {shared} s with all {cal.processes} busy: capacity {cal.capacity:.2f} cores "
             f"(other work {cal.other_cores:.2f} cores, {cal.other_threads:.1f} threads)",
             f"  {link}; store {cal.store_mbps:,.0f} Mbit/s",
-            f"  predicted: {p.tokens_per_s:,.0f} tokens/s (busy node processes {model.busy:.2f}, each at "
+            f"  calibrated prediction: {p.tokens_per_s:,.0f} tokens/s (busy node processes {model.busy:.2f}, each at "
             f"{model.phi:.0%} of a core), MFU {p.effective_mfu:.1%} of {p.peak_tflops * 1e3:.0f} GFLOP/s, "
             f"tax {p.tax:.1%}, ${p.usd_per_hour:.2f}/h, ${p.usd_per_mtok:,.3f}/Mtok",
         ]

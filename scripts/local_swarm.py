@@ -7,8 +7,13 @@ final report.
   crucible-swarm --data ~/corpus --tokenizer tokenizer.json --data-in-store   # BPE; shards in the store
   crucible-swarm --steps 60 --H 30 --bandwidth-mbps 20 --delay-ms 5   # WAN-shaped pipeline links
 
-Before launch the planner calibrates on this machine (scripts/calibrate_local.py) and prints its prediction;
-progress lines and the report show predicted tokens/s next to measured.
+Every flag, and the run spec they make, is checked before anything starts (a mistake: one line, exit 2).
+The store, bootstrap peer and coordinator start first; the planner's calibration for this machine
+(scripts/calibrate_local.py) runs then, before the nodes start, since each node times its matmul and
+reference block as it starts and the probes would slow those figures. Once the run is placed the
+coordinator predicts it from the nodes' adverts (coordinator/placement.py `predict_placement`); its
+dashboard shows that figure and crucible-swarm prints the same one, read from the dashboard's API, with
+the calibration's beside it. Progress lines and the report show both next to what is measured.
 """
 
 from __future__ import annotations
@@ -18,19 +23,25 @@ import contextlib
 import importlib.util
 import json
 import os
+import re
 import signal
 import subprocess
 import sys
 import time
 import tomllib
 import urllib.request
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 from node.corpus_files import CorpusScan, DataError, manifest_of, scan_corpus
 from protocol.cli_errors import UsageError, bad_input, check_file, run_cli
 from protocol.corpus import corpus_sha256, is_store_url
 from scripts.procs import Child, ProcessFailed
+
+if TYPE_CHECKING:
+    from protocol.runspec import RunSpec
 
 NODE_PRICE_PER_HOUR = 0.10
 
@@ -160,7 +171,8 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     ap.add_argument(
         "--no-calibrate",
         action="store_true",
-        help="skip the planner's calibration and prediction before launch (saves ~20 s)",
+        help="skip the local calibration (its prediction of this machine's CPU sharing) before the nodes "
+        "start (saves ~20 s); the coordinator's prediction from the adverts is printed either way",
     )
     return ap.parse_args(argv)
 
@@ -255,10 +267,13 @@ class Swarm:
         self.children.append(c)
         return c
 
-    def start(self, ready_timeout_s: float = 120) -> None:
+    def start(self, ready_timeout_s: float = 120, before_nodes: Callable[[], None] | None = None) -> None:
+        """Start the store, the bootstrap peer, the coordinator, then the nodes; `before_nodes` runs once
+        the others are ready and before any node starts (crucible-swarm calibrates there: a node times
+        its matmul and reference block as it starts, and must not share the cores with the probes)."""
         store = self._spawn("store", ["-m", "scripts.embedded_store"])
         self.store_url = store.wait_for(r"STORE (\S+)", ready_timeout_s).group(1)
-        self._start_swarm(ready_timeout_s)
+        self._start_swarm(ready_timeout_s, before_nodes)
 
     def restart(self, ready_timeout_s: float = 120) -> dict[str, int | None]:
         """A whole-swarm restart: stop every process but the store, then start the bootstrap peer, the
@@ -276,7 +291,7 @@ class Swarm:
     def _name(self, base: str) -> str:
         return base if self.generation == 0 else f"{base}-{self.generation}"
 
-    def _start_swarm(self, ready_timeout_s: float) -> None:
+    def _start_swarm(self, ready_timeout_s: float, before_nodes: Callable[[], None] | None = None) -> None:
         from protocol.identity import Identity
 
         boot = self._spawn(
@@ -298,9 +313,13 @@ class Swarm:
                     *self.coordinator_flags(),
                 ],
             )
+        if before_nodes is not None:
+            if self.with_coordinator:
+                self.dashboard = self.coordinator.wait_for(r"dashboard=(\S+)", ready_timeout_s).group(1)
+            before_nodes()
         for i in range(self.n_nodes):
             self.add_node(i)
-        if self.with_coordinator:
+        if self.with_coordinator and before_nodes is None:  # the nodes start meanwhile
             self.dashboard = self.coordinator.wait_for(r"dashboard=(\S+)", ready_timeout_s).group(1)
         for node in self.nodes:
             self.health.append(node.wait_for(r"health=(\S+)/health", ready_timeout_s).group(1))
@@ -393,6 +412,24 @@ class Swarm:
             c.wait_for(r"launched run", 120)
             self.one_shots.append(c)  # it exits by itself once its DHT client shut down: `stop` lets it
 
+    def export(self, run_id: str, out_dir: Path, timeout_s: float = 300.0) -> str:
+        """`crucible-coordinator export` of the run's newest checkpointed round into out_dir (the command a
+        user runs against R2), while the embedded store still serves; returns its line, raises
+        ProcessFailed with its output when it fails."""
+        child = self._spawn(
+            self._name("export"),
+            ["-m", "coordinator.cli", "export", run_id, "--out", str(out_dir),
+             "--operator-key", self.operator.peer_id, "--store-endpoint", self.store_url],
+        )  # fmt: skip
+        try:
+            code = child.proc.wait(timeout=timeout_s)
+        except subprocess.TimeoutExpired:
+            child.stop(timeout_s=5)
+            raise ProcessFailed(f"export of run {run_id} did not finish within {timeout_s:.0f} s") from None
+        if code != 0:
+            raise ProcessFailed(f"export of run {run_id} exited with {code}:\n{child.tail()}")
+        return child.log_text().strip().splitlines()[-1]
+
     def statuses(self) -> list[dict | None]:
         return [_get_status(f"{h}/status") for h in self.health]
 
@@ -408,27 +445,112 @@ class Swarm:
         return codes
 
 
-def progress_line(
-    statuses: list[dict | None], elapsed: float, predicted: float | None = None, train_unit: str = "bits/byte"
-) -> str:
-    """One progress line; train_unit: "bits/token" under a tokenizer (validation is bits/byte always)."""
-    ms = [s["metrics"] for s in statuses if s]
-    if not ms:
-        return f"[{elapsed:5.0f}s] waiting for nodes"
-    steps = [m["step"] for m in ms if m["state"] in ("training", "done")]
-    losses = [m["loss"] for m in ms if m.get("loss") is not None]
-    vals = [m["val_bpb"] for m in ms if m.get("val_bpb") is not None]
-    tok = sum(m["tokens_per_s"] for m in ms if m["stage"] == 0)
-    pipe = sum(m["bytes_pipe_sent"] for m in ms)
-    store = sum(m["bytes_store_up"] + m["bytes_store_down"] for m in ms)
-    total = max((m["total_steps"] for m in ms), default=0)
-    step = f"{min(steps)}/{total}" if steps else "-"
-    loss = f"{sum(losses) / len(losses) / 0.6931:.3f}" if losses else "-"
-    val = f"{sum(vals) / len(vals):.3f}" if vals else "-"
-    pred = f" (predicted {predicted:5.0f})" if predicted else ""
+class Progress:
+    """What the progress lines and the report count for one run across faults.
+
+    - step: each replica is as far as its slowest stage, the run as far as its furthest replica, and a
+      line never shows less than the one before (a rebuilt replica resumes from its checkpoint, behind);
+    - bytes on each path: summed over every node the run had (`CumulativeCounters`: a node that died
+      keeps what it moved, a restarted one counts from 0), so they never dip at a rebuild;
+    - the run's first validation: the step-0 figures (a rebuilt replica's history starts at its
+      checkpoint's step).
+    """
+
+    def __init__(self, run_id: str) -> None:
+        from coordinator.run_figures import CumulativeCounters
+
+        self.run_id = run_id
+        self.bytes = CumulativeCounters()
+        self.step = 0
+        self.total_steps = 0
+        self.start_val: dict[int, float] = {}
+        """Replica -> its last stage's validation at step 0."""
+        self.metrics: list[dict] = []
+        """The run's nodes' metrics at the last observation."""
+
+    def observe(self, statuses: list[dict | None]) -> None:
+        mine = [st for st in statuses if st and (st["metrics"] or {}).get("run_id") == self.run_id]
+        self.metrics = [st["metrics"] for st in mine]
+        by_replica: dict[int, list[int]] = {}
+        for st in mine:
+            m = st["metrics"]
+            self.bytes.observe(
+                st.get("peer_id") or f"r{m['replica']}s{m['stage']}",
+                {k: m[k] for k in ("bytes_pipe_sent", "bytes_store_up", "bytes_store_down")},
+            )
+            self.total_steps = max(self.total_steps, m["total_steps"])
+            if m["state"] in ("training", "done"):
+                by_replica.setdefault(m["replica"], []).append(m["step"])
+            hist = m.get("val_history") or []
+            if hist and hist[0][0] == 0:
+                self.start_val.setdefault(m["replica"], hist[0][1])
+        if by_replica:
+            self.step = max(self.step, max(min(v) for v in by_replica.values()))
+
+    def line(self, elapsed: float, predicted: float | None = None) -> str:
+        """One progress line: training in bits per token (a byte without a tokenizer), validation in bits
+        per byte (the text's bytes whatever the tokenizer), as on `status` and the dashboard."""
+        ms = self.metrics
+        if not ms:
+            return f"[{elapsed:5.0f}s] waiting for nodes"
+        losses = [x for m in ms if (x := m.get("train_loss_bits_per_token")) is not None]
+        vals = [x for m in ms if (x := m.get("validation_loss_bits_per_byte")) is not None]
+        tok = sum(m["tokens_per_s"] for m in ms if m["stage"] == 0)
+        step = (
+            f"{self.step}/{self.total_steps}"
+            if self.step or any(m["state"] == "training" for m in ms)
+            else "-"
+        )
+        loss = f"{sum(losses) / len(losses):.3f}" if losses else "-"
+        val = f"{sum(vals) / len(vals):.3f}" if vals else "-"
+        pred = f" (predicted {predicted:5.0f})" if predicted else ""
+        b = self.bytes
+        return (
+            f"[{elapsed:5.0f}s] step {step:>9}  train {loss:>6} bits/token  val {val:>6} bits/byte  "
+            f"{tok:7.0f} tok/s{pred}  pipeline {_fmt_bytes(b.total('bytes_pipe_sent')):>9}  store up "
+            f"{_fmt_bytes(b.total('bytes_store_up')):>8} down {_fmt_bytes(b.total('bytes_store_down')):>8}"
+        )
+
+
+def publish(prep: Prepared, store_url: str) -> None:
+    """--data-in-store: the corpus's shards and manifest, and the tokenizer.json, into the store."""
+    if prep.upload is None:
+        return
+    from node.corpus_store import publish_corpus, publish_tokenizer
+    from protocol.store import ObjectStore, StoreConfig
+
+    store = ObjectStore(StoreConfig(endpoint_url=store_url))
+    publish_corpus(store, prep.upload, prep.data_url)
+    print(f"  corpus     {prep.data_url} ({prep.upload.summary()})", flush=True)
+    if prep.tokenizer_url:
+        publish_tokenizer(store, prep.tokenizer_bytes, prep.tokenizer_url)
+        print(f"  tokenizer  {prep.tokenizer_url} ({len(prep.tokenizer_bytes) / 1e6:.1f} MB)", flush=True)
+
+
+def coordinator_prediction(dashboard: str, run_id: str) -> dict | None:
+    """The planner's prediction the coordinator made for the run's placement from the nodes' adverts
+    (`coordinator.placement.predict_placement`), as its dashboard shows it (GET /api/runs/RUN); None until
+    the run is placed."""
+    if not dashboard:
+        return None
+    got = _get_status(f"{dashboard.rstrip('/')}/api/runs/{run_id}")
+    pred = got.get("prediction") if isinstance(got, dict) else None
+    return pred if isinstance(pred, dict) and pred.get("tokens_per_s") else None
+
+
+def prediction_line(prediction: dict, calibrated: dict | None = None) -> str:
+    """The prediction as crucible-swarm prints it: the coordinator's figures (the dashboard's), and the
+    local calibration's tokens/s beside them."""
+    p = prediction
+    usd = f", ${p['usd_per_mtok']:,.3f}/Mtok" if p.get("usd_per_mtok") is not None else ""
+    cal = (
+        f"; calibrated for this machine's CPU sharing {calibrated['tokens_per_s']:,.0f} tokens/s"
+        if calibrated
+        else ""
+    )
     return (
-        f"[{elapsed:5.0f}s] step {step:>9}  train {loss:>6} {train_unit}  val {val:>6} bits/byte  "
-        f"{tok:7.0f} tok/s{pred}  pipeline {_fmt_bytes(pipe):>9}  store {_fmt_bytes(store):>9}"
+        f"  predicted: {p['tokens_per_s']:,.0f} tokens/s, MFU {100 * p['effective_mfu']:.1f}%, tax "
+        f"{100 * p['tax']:.1f}%{usd} (the planner on the nodes' adverts, as on the dashboard){cal}"
     )
 
 
@@ -587,8 +709,19 @@ def calibrate_and_predict(run_toml: Path, store_url: str) -> tuple[dict, str] | 
     return pred, describe(cal, model)
 
 
-def throughput_report(clock: StepClock, run_toml: Path, prediction: dict | None, usd_per_hour: float) -> dict:
-    """Measured steady-state tokens/s next to the prediction, and the measured MFU, tax and $/Mtok."""
+def throughput_report(
+    clock: StepClock,
+    run_toml: Path,
+    prediction: dict | None,
+    calibrated: dict | None,
+    usd_per_hour: float,
+) -> dict:
+    """Measured steady-state tokens/s next to the prediction (the coordinator's, from the nodes' adverts:
+    the dashboard's figure) and the local calibration's; the measured MFU, tax and $/Mtok by the
+    planner's definitions over the same peaks as the prediction (`planner.figures_at`), else the
+    calibration's (the machine's C cores)."""
+    from coordinator.planner import Figures, figures_at
+
     spec = tomllib.loads(run_toml.read_text())
     train, sync = spec.get("train", {}), spec.get("sync", {})
     total, H = int(train.get("total_steps", 300)), int(sync.get("H", 30))
@@ -596,6 +729,10 @@ def throughput_report(clock: StepClock, run_toml: Path, prediction: dict | None,
     steady = clock.steady_steps_per_s(H, total)
     overall = clock.overall_steps_per_s(total)
     measured = sum(steady.values()) * tokens_per_step if steady else None
+
+    def error(pred: dict | None) -> float | None:
+        return round(pred["tokens_per_s"] / measured - 1, 4) if pred and measured else None
+
     out: dict = {
         "measured_tokens_per_s": round(measured, 1) if measured else None,
         "measured_tokens_per_s_with_rounds": round(sum(overall.values()) * tokens_per_step, 1)
@@ -603,14 +740,28 @@ def throughput_report(clock: StepClock, run_toml: Path, prediction: dict | None,
         else None,
         "measured_replicas": len(steady),
         "predicted_tokens_per_s": prediction["tokens_per_s"] if prediction else None,
-        "prediction_error": None,
+        "prediction_error": error(prediction),
         "prediction": prediction,
+        "calibrated_tokens_per_s": calibrated["tokens_per_s"] if calibrated else None,
+        "calibration_error": error(calibrated),
+        "calibration": calibrated,
     }
-    if prediction and measured:
-        out["prediction_error"] = round(prediction["tokens_per_s"] / measured - 1, 4)
-        mfu = measured * prediction["flops_per_token"] / (prediction["peak_tflops"] * 1e12)
+    if not measured:
+        return out
+    if prediction and prediction.get("effective_mfu"):
+        at = Figures(
+            effective_mfu=prediction["effective_mfu"],
+            tax=prediction["tax"],
+            usd_per_mtok=prediction.get("usd_per_mtok"),
+        )
+        fig = figures_at(at, prediction["tokens_per_s"], measured)
+        out["measured_effective_mfu"] = round(fig.effective_mfu, 4)
+        out["measured_tax"] = round(fig.tax, 4)
+    elif calibrated:
+        mfu = measured * calibrated["flops_per_token"] / (calibrated["peak_tflops"] * 1e12)
         out["measured_effective_mfu"] = round(mfu, 4)
-        out["measured_tax"] = round(1 - mfu / prediction["ceiling"], 4)
+        out["measured_tax"] = round(1 - mfu / calibrated["ceiling"], 4)
+    if "measured_effective_mfu" in out:
         out["measured_usd_per_mtok"] = round(usd_per_hour / (measured * 3600) * 1e6, 4)
     return out
 
@@ -636,10 +787,74 @@ class Prepared:
     upload: CorpusScan | None = None
     data_url: str = ""
     tokenized: bool = False
+    tokenizer_url: str = ""
+    """With --data-in-store and a tokenizer: where the tokenizer.json goes in the store."""
+    tokenizer_bytes: bytes = b""
 
 
-STORE_CORPUS = "s3://crucible/corpus/{sha16}"
+STORE_CORPUS = "s3://crucible/corpus/{sha256}"
 """Where --data-in-store puts the corpus in the embedded store."""
+STORE_TOKENIZER = "s3://crucible/tokenizers/{sha256}.json"
+"""Where --data-in-store puts the run's tokenizer.json (by its hash: no name a corpus file could take)."""
+
+SPEC_FLAGS: dict[str, tuple[str, str, str]] = {
+    "pipeline.link_k": ("--link-k", "link_k", "--link-k 32"),
+    "pipeline.bandwidth_mbps": ("--bandwidth-mbps", "bandwidth_mbps", "--bandwidth-mbps 20"),
+    "pipeline.delay_ms": ("--delay-ms", "delay_ms", "--delay-ms 5"),
+    "train.total_steps": ("--steps", "steps", "--steps 240"),
+    "sync.H": ("--H", "H", "--H 10"),
+    "sync.beta": ("--beta", "beta", "--beta 0.7"),
+    "eval_every": ("--eval-every-steps", "eval_every_steps", "--eval-every-steps 30"),
+    "replicas": ("--replicas", "replicas", "--replicas 2"),
+    "stages": ("--stages", "stages", "--stages 2"),
+    "run_id": ("--run-id", "run_id", "--run-id my-run-1"),
+    "model.vocab": ("--tokenizer", "tokenizer", "--tokenizer tokenizer.json"),
+}
+"""Run spec key -> (the flag that sets it in the generated spec, its argparse name, an example)."""
+
+
+def check_spec(text: str, args: argparse.Namespace) -> RunSpec:
+    """The RunSpec of `text`, or UsageError naming what is wrong: for a generated spec the flag that set
+    the key the spec refuses (`SPEC_FLAGS`), for --run-toml the file and its key."""
+    import tempfile
+
+    from protocol.runspec import load_run_spec
+
+    with tempfile.TemporaryDirectory(prefix="crucible-swarm-") as tmp:
+        path = Path(tmp) / "run.toml"
+        path.write_text(text)
+        try:
+            return load_run_spec(path)
+        except ValueError as e:
+            problem = str(e).removeprefix(f"{path}: ")
+    if args.run_toml:
+        raise bad_input("--run-toml", str(args.run_toml), problem)
+    named = [
+        (m.start(), key)
+        for key in SPEC_FLAGS
+        if (m := re.search(rf"(?<![\w.]){re.escape(key)}(?!\w)", problem)) is not None
+    ]
+    if not named:
+        raise UsageError(f"the run spec crucible-swarm builds from its flags is refused: {problem}")
+    flag, attr, example = SPEC_FLAGS[min(named)[1]]
+    value = getattr(args, attr)
+    if isinstance(value, list):
+        value = ",".join(str(v) for v in value)
+    shown = value if value is not None else "(default)"
+    raise bad_input(flag, shown, problem, None if "(example:" in problem else example)
+
+
+def check_device(device: str) -> None:
+    """`--device` names a device this host has (auto and cpu always do); UsageError otherwise, before
+    any process starts (a node would refuse it only once the whole swarm runs)."""
+    if device.strip().lower() in ("auto", "cpu"):
+        return
+    from node.device import DeviceError, resolve_device
+
+    try:
+        resolve_device(device)  # claims nothing for a named GPU
+    except DeviceError as e:
+        raise UsageError(str(e)) from e
 
 
 def generated_run(args: argparse.Namespace, run_id: str) -> str:
@@ -678,6 +893,8 @@ def preflight(args: argparse.Namespace) -> Prepared:
             raise bad_input(flag, value, f"must be at least {low}", f"{flag} {max(low, 2)}")
     if args.timeout_s <= 0:
         raise bad_input("--timeout-s", args.timeout_s, "must be positive", "--timeout-s 900")
+    if args.out is not None and args.out.exists() and not args.out.is_dir():
+        raise bad_input("--out", str(args.out), "is a file, not a folder", "--out runs/my-run")
     if importlib.util.find_spec("moto") is None:
         raise UsageError(
             "crucible-swarm runs an embedded S3 store (moto), which is not installed: "
@@ -701,6 +918,8 @@ def preflight(args: argparse.Namespace) -> Prepared:
         text, data = generated_run(args, run_id), args.data
         tokenizer = str(args.tokenizer) if args.tokenizer else ""
         data_flag, tok_flag = "--data", "--tokenizer"
+    check_spec(text, args)  # the flags' spec, before the corpus is read (seconds for a large one)
+    check_device(args.device)
     if is_store_url(data):
         raise bad_input(
             data_flag,
@@ -708,6 +927,14 @@ def preflight(args: argparse.Namespace) -> Prepared:
             "the embedded store starts empty; give the local corpus and --data-in-store (it is copied "
             "to s3://crucible/corpus/<hash> and streamed from there)",
             "--data ~/corpus --data-in-store",
+        )
+    if is_store_url(tokenizer):
+        raise bad_input(
+            tok_flag,
+            tokenizer,
+            "the embedded store starts empty; give the local tokenizer.json and --data-in-store (it is "
+            "copied into the store with the corpus)",
+            "--tokenizer tokenizer.json --data-in-store",
         )
     local = data if data == "stdlib" else os.path.abspath(os.path.expanduser(data))
     try:
@@ -724,15 +951,17 @@ def preflight(args: argparse.Namespace) -> Prepared:
     train: dict[str, object] = {"data": local, "data_sha256": sha}
     data_url = ""
     if args.data_in_store:
-        data_url = STORE_CORPUS.format(sha16=sha[:16])
+        data_url = STORE_CORPUS.format(sha256=sha)
         train["data"] = data_url
     vocab = None
+    tok_url, tok_bytes = "", b""
     if tokenizer:
         from node.tokenizer import parse_tokenizer
 
         path = os.path.abspath(os.path.expanduser(tokenizer))
         try:
-            tok = parse_tokenizer(Path(path).read_bytes(), path)
+            tok_bytes = Path(path).read_bytes()
+            tok = parse_tokenizer(tok_bytes, path)
         except (OSError, DataError) as e:
             raise bad_input(tok_flag, tokenizer, str(getattr(e, "strerror", None) or e)) from e
         if spec is not None and spec.model.vocab != tok.vocab:
@@ -742,15 +971,28 @@ def preflight(args: argparse.Namespace) -> Prepared:
                 f"the tokenizer {tokenizer} has {tok.vocab} tokens",
                 f"vocab = {tok.vocab}",
             )
-        train.update(tokenizer=path, tokenizer_sha256=tok.sha256)
+        if data_url:  # the nodes fetch it from the store with the corpus: no local path in the spec
+            tok_url = STORE_TOKENIZER.format(sha256=tok.sha256)
+        train.update(tokenizer=tok_url or path, tokenizer_sha256=tok.sha256)
         vocab = tok.vocab
     text = set_keys(text, "train", **train)
     if spec is None and vocab is not None:
         text = set_keys(text, "model", vocab=vocab)
+    check_spec(text, args)
     tokens = f", tokenizer {tokenizer} ({vocab} tokens)" if tokenizer else ""
-    where = f", copied to {data_url}" if data_url else ""
+    where = ", copied to the store" if data_url else ""
     print(f"crucible-swarm: data {data}: {scan.summary()}, sha256 {sha}{tokens}{where}", flush=True)
-    return Prepared(run_id, replicas, stages, text, scan if data_url else None, data_url, bool(tokenizer))
+    return Prepared(
+        run_id,
+        replicas,
+        stages,
+        text,
+        scan if data_url else None,
+        data_url,
+        bool(tokenizer),
+        tokenizer_url=tok_url,
+        tokenizer_bytes=tok_bytes if tok_url else b"",
+    )
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -776,43 +1018,48 @@ def _main(argv: list[str] | None) -> int:
     t0 = time.monotonic()
     ok = False
     faults: list[dict] = []
-    try:
-        swarm.start()
-        if prep.upload is not None:
-            from node.corpus_store import publish_corpus
-            from protocol.store import ObjectStore, StoreConfig
+    calibrated: dict | None = None
 
-            publish_corpus(ObjectStore(StoreConfig(endpoint_url=swarm.store_url)), prep.upload, prep.data_url)
-            print(f"  corpus     {prep.data_url} ({prep.upload.summary()})", flush=True)
+    def before_nodes() -> None:
+        """Store, bootstrap peer and coordinator are up: fill the store, then calibrate, all before the
+        nodes start (each times itself as it starts; the probes would slow those figures)."""
+        nonlocal calibrated
         print(
             f"  store      {swarm.store_url}\n  bootstrap  {swarm.bootstrap}\n  operator   {swarm.operator.peer_id}\n"
             f"  dashboard  {swarm.dashboard}  (live plots; Prometheus at {swarm.dashboard}metrics)",
             flush=True,
         )
-        prediction = None
+        publish(prep, swarm.store_url)
         if not args.no_calibrate:
-            print("  calibrating the planner on this machine ...", flush=True)
+            print("  calibrating the planner on this machine (before the nodes start) ...", flush=True)
             got = calibrate_and_predict(run_toml, swarm.store_url)
             if got:
-                prediction, text = got
+                calibrated, text = got
                 print(text, flush=True)
-        predicted = prediction["tokens_per_s"] if prediction else None
+
+    try:
+        swarm.start(before_nodes=before_nodes)
         swarm.launch(run_toml)
         t_launch = time.monotonic()
         last_print = 0.0
         clock = StepClock()
+        progress = Progress(run_id)
         cpu = CpuMeter({c.name: c.proc.pid for c in swarm.children})
         quiet_since: float | None = None
+        prediction: dict | None = None  # the coordinator's, from the nodes' adverts (the dashboard's)
         while time.monotonic() - t0 < args.timeout_s:
             sts = swarm.statuses()
             now = time.monotonic()
             clock.observe(sts, now, run_id)
+            progress.observe(sts)
+            if prediction is None and (prediction := coordinator_prediction(swarm.dashboard, run_id)):
+                print(prediction_line(prediction, calibrated), flush=True)
             ms = [s["metrics"] for s in sts if s]
             if clock.first_seen and not all(m["state"] == "done" for m in ms):
                 cpu.sample()  # from the first trained step to the last poll before every node is done
             if now - last_print >= 10:
-                unit = "bits/token" if prep.tokenized else "bits/byte"
-                print(progress_line(sts, now - t0, predicted, unit), flush=True)
+                predicted = prediction["tokens_per_s"] if prediction else None
+                print(progress.line(now - t0, predicted), flush=True)
                 last_print = now
             faults += supervise(swarm, now - t0)
             faults += reported_failures(swarm, sts, faults, run_id, now - t0)
@@ -833,15 +1080,22 @@ def _main(argv: list[str] | None) -> int:
             time.sleep(1)
         else:
             raise ProcessFailed(f"run did not finish within {args.timeout_s:.0f} s")
-        ms = [m for s in swarm.statuses() if s and (m := s["metrics"])["run_id"] == run_id]
-        report = build_report(run_id, ms, time.monotonic() - t_launch, swarm.store_url)
+        sts = swarm.statuses()
+        progress.observe(sts)
+        ms = [m for s in sts if s and (m := s["metrics"])["run_id"] == run_id]
+        report = build_report(run_id, ms, time.monotonic() - t_launch, swarm.store_url, progress)
         report["faults"] = faults
-        report.update(throughput_report(clock, run_toml, prediction, n * NODE_PRICE_PER_HOUR))
+        report.update(throughput_report(clock, run_toml, prediction, calibrated, n * NODE_PRICE_PER_HOUR))
         report.update(cpu.report())
         (out / "steps.json").write_text(json.dumps(clock.as_dict(t_launch)))
+        if report["completed"]:  # the consensus as a Hugging Face Llama folder, the way a user exports one
+            try:
+                report["export"] = swarm.export(run_id, out / "hf")
+            except ProcessFailed as e:
+                report["export"] = f"failed: {e}"
         (out / "report.json").write_text(json.dumps(report, indent=2))
         print_report(report, out)
-        ok = report["completed"]
+        ok = report["completed"] and not report.get("export", "").startswith("failed")
     except (ProcessFailed, KeyboardInterrupt) as e:
         print(f"crucible-swarm: {e}", file=sys.stderr)
     finally:
@@ -919,9 +1173,13 @@ def complete_replicas(ms: list[dict], stages: int) -> set[int]:
     return {r for r, _ in done if all((r, s) in done for s in range(stages))}
 
 
-def build_report(run_id: str, ms: list[dict], seconds: float, store_url: str) -> dict:
+def build_report(
+    run_id: str, ms: list[dict], seconds: float, store_url: str, progress: Progress | None = None
+) -> dict:
     """Figures of the run from its live nodes' metrics; quality and consensus from the replicas that
-    finished (a replica that dropped out after a fault has no final weights to compare)."""
+    finished (a replica that dropped out after a fault has no final weights to compare). `progress`:
+    what was seen during the run (`Progress`): the step-0 validation and the bytes of nodes that died
+    or restarted since; without it, what the live nodes report now."""
     if not ms:
         raise ProcessFailed(f"no live node reports run {run_id}; see the logs")
     stages = max(x["stage"] for x in ms) + 1
@@ -929,8 +1187,18 @@ def build_report(run_id: str, ms: list[dict], seconds: float, store_url: str) ->
     finished = [m for m in ms if m["replica"] in complete and m["state"] == "done"]
     last = [m for m in finished or ms if m["stage"] == stages - 1]
     hist = {m["replica"]: m["val_history"] for m in last}
-    start = [h[0][1] for h in hist.values() if h]
+    # the run starts where every replica started, at step 0: a rebuilt replica's history begins at the
+    # checkpoint it resumed from, so its first figure is not the run's start
+    start = [h[0][1] for h in hist.values() if h and h[0][0] == 0]
+    if progress is not None and progress.start_val:
+        start = list(progress.start_val.values())
     end = [h[-1][1] for h in hist.values() if h]
+    if progress is not None:
+        up, down = progress.bytes.total("bytes_store_up"), progress.bytes.total("bytes_store_down")
+        pipe = progress.bytes.total("bytes_pipe_sent")
+    else:
+        up, down = sum(m["bytes_store_up"] for m in ms), sum(m["bytes_store_down"] for m in ms)
+        pipe = sum(m["bytes_pipe_sent"] for m in ms)
     steps = max(m["step"] for m in ms)
     replicas = len({m["replica"] for m in ms})
     by_stage: dict[int, set[str]] = {}
@@ -950,9 +1218,9 @@ def build_report(run_id: str, ms: list[dict], seconds: float, store_url: str) ->
         "val_history": hist,
         "replicas": replicas,
         "consensus_identical": bool(by_stage) and all(len(v) == 1 and "" not in v for v in by_stage.values()),
-        "bytes_pipeline": sum(m["bytes_pipe_sent"] for m in ms),
-        "bytes_store_up": sum(m["bytes_store_up"] for m in ms),
-        "bytes_store_down": sum(m["bytes_store_down"] for m in ms),
+        "bytes_pipeline": pipe,
+        "bytes_store_up": up,
+        "bytes_store_down": down,
         "pipe_wait_s": round(sum(m["pipe_wait_s"] for m in ms), 1),
         "sync_wait_s": round(sum(m["sync_wait_s"] for m in ms), 1),
         "store_url": store_url,
@@ -978,23 +1246,33 @@ def print_report(r: dict, out: Path) -> None:
             f"validation bits/byte: {r['val_bpb_start']:.3f} -> {r['val_bpb_end']:.3f} ({100 * r['val_bpb_drop']:.1f}% lower)"
         )
     print(f"consensus weights identical across replicas: {r['consensus_identical']}")
+    if r.get("export"):
+        print(f"export: {r['export']}")
+        if not r["export"].startswith("failed"):
+            print(f"  generate: .venv/bin/python -m scripts.generate {out / 'hf'} --prompt 'def '")
     print(
         f"bytes: pipeline {_fmt_bytes(r['bytes_pipeline'])}, store up {_fmt_bytes(r['bytes_store_up'])}, "
         f"down {_fmt_bytes(r['bytes_store_down'])}; waits: pipeline {r['pipe_wait_s']} s, sync {r['sync_wait_s']} s"
     )
     if r.get("measured_tokens_per_s"):
-        pred, err = r.get("predicted_tokens_per_s"), r.get("prediction_error")
-        vs = f", predicted {pred:,.0f} ({100 * err:+.1f}%)" if pred and err is not None else ""
+        vs = ""
+        for what, err_key in (("predicted", "prediction_error"), ("calibrated", "calibration_error")):
+            pred, err = r.get(f"{what}_tokens_per_s"), r.get(err_key)
+            if pred and err is not None:
+                vs += f", {what} {pred:,.0f} ({100 * err:+.1f}%)"
+        rounds = r.get("measured_tokens_per_s_with_rounds")
+        with_rounds = f"; {rounds:,.0f} tokens/s with syncs and evaluations" if rounds else ""
         print(
-            f"steady-state throughput: measured {r['measured_tokens_per_s']:,.0f} tokens/s{vs}; "
-            f"{r['measured_tokens_per_s_with_rounds']:,.0f} tokens/s with syncs and evaluations"
+            f"steady-state throughput: measured {r['measured_tokens_per_s']:,.0f} tokens/s{vs}{with_rounds}"
         )
     if r.get("measured_effective_mfu") is not None:
-        p = r["prediction"]
+        p = r["prediction"] or r["calibration"]
+        usd = p.get("usd_per_mtok")
         print(
             f"  MFU {100 * r['measured_effective_mfu']:.1f}% (predicted {100 * p['effective_mfu']:.1f}%), "
             f"tax {100 * r['measured_tax']:.1f}% (predicted {100 * p['tax']:.1f}%), "
-            f"${r['measured_usd_per_mtok']:.3f}/Mtok (predicted ${p['usd_per_mtok']:.3f})"
+            f"${r['measured_usd_per_mtok']:.3f}/Mtok"
+            + (f" (predicted ${usd:.3f})" if usd is not None else "")
         )
     if r.get("cpu_busy_cores") is not None:
         print(

@@ -221,7 +221,8 @@ def test_crucible_swarm_puts_the_corpus_hash_in_the_spec(tmp_path: Path) -> None
     assert spec.train.data_sha256 == corpus_sha256(manifest_of(scan_corpus(str(folder))))
     assert spec.train.tokenizer == str(path) and len(spec.train.tokenizer_sha256) == 64
     prep = preflight(parse_args(["--data", str(folder), "--data-in-store", "--run-id", "q-2"]))
-    assert prep.data_url == f"s3://crucible/corpus/{spec.train.data_sha256[:16]}" and prep.upload is not None
+    # one length of the corpus hash wherever it is printed: the store copy is named by the whole hash
+    assert prep.data_url == f"s3://crucible/corpus/{spec.train.data_sha256}" and prep.upload is not None
     assert f'data = "{prep.data_url}"' in prep.run_toml
     with pytest.raises(UsageError, match="--data-in-store"):
         preflight(parse_args(["--data", "s3://crucible/corpus"]))
@@ -233,11 +234,45 @@ def test_crucible_swarm_puts_the_corpus_hash_in_the_spec(tmp_path: Path) -> None
         preflight(parse_args(["--run-toml", str(toml)]))
 
 
+def test_data_in_store_ships_the_tokenizer_with_the_corpus(tmp_path: Path, store: ObjectStore) -> None:
+    """Issue 19: `crucible-swarm --data DIR --tokenizer FILE --data-in-store` names no local path in the
+    spec: the tokenizer.json goes into the store by its hash, and a node with no copy of its own (another
+    data root, nothing on disk) fetches it from the real store and checks it against the spec's hash."""
+    from scripts.local_swarm import STORE_TOKENIZER, parse_args, preflight, publish
+
+    folder = make_corpus(tmp_path / "books", seed=6)
+    path = bpe(tmp_path, folder, vocab=300)
+    args = ["--data", str(folder), "--tokenizer", str(path), "--data-in-store", "--run-id", "tok-1"]
+    prep = preflight(parse_args(args))
+    toml = tmp_path / "run.toml"
+    toml.write_text(prep.run_toml)
+    spec = load_run_spec(toml)
+    sha = parse_tokenizer(path.read_bytes(), str(path)).sha256
+    assert spec.train.tokenizer == STORE_TOKENIZER.format(sha256=sha) == prep.tokenizer_url
+    assert spec.train.tokenizer_sha256 == sha and spec.train.data.startswith("s3://crucible/corpus/")
+    assert str(tmp_path) not in prep.run_toml  # no local path left for a node to miss
+    publish(prep, store.cfg.endpoint_url)  # what crucible-swarm does once its store runs
+    node = DataSource(str(tmp_path / "elsewhere"), store=store, cache=tmp_path / "node-cache")
+    tok = node.tokenizer(spec.train, spec.model.vocab)
+    assert tok is not None and tok.sha256 == sha and tok.vocab == 300
+    corpus = node.corpus(spec.train, spec.model.vocab)
+    assert corpus.vocab == 300 and corpus.sha256 == spec.train.data_sha256
+    # a tokenizer in the store that is not the spec's is refused by its hash, naming both
+    _, key = parse_store_url(spec.train.tokenizer)
+    store.put(key, path.read_bytes() + b" ")
+    with pytest.raises(DataError, match=f"has sha256 [0-9a-f]{{64}}, the run spec says {sha}"):
+        DataSource(store=store, cache=tmp_path / "c2").tokenizer(spec.train, spec.model.vocab)
+    store.delete(key)
+    with pytest.raises(DataError, match="does not exist in the store: upload it"):
+        DataSource(store=store, cache=tmp_path / "c3").tokenizer(spec.train, spec.model.vocab)
+
+
 def test_a_data_root_that_is_no_folder_is_refused_by_its_flag(tmp_path: Path) -> None:
     from node.cli import build_parser, join_settings
     from protocol.cli_errors import EXAMPLE_MULTIADDR, EXAMPLE_PEER_ID, UsageError
 
     base = ["join", "--bootstrap", EXAMPLE_MULTIADDR, "--operator-key", EXAMPLE_PEER_ID]
+    base += ["--store-endpoint", "http://127.0.0.1:9000"]
     with pytest.raises(UsageError, match="--data-root .*is not a folder"):
         join_settings(build_parser().parse_args([*base, "--data-root", str(tmp_path / "missing")]))
     assert join_settings(build_parser().parse_args([*base, "--data-root", str(tmp_path)])).get(

@@ -312,3 +312,34 @@ def test_the_reference_block_time_sets_a_nodes_compute_rate() -> None:
     assert 6 <= split[0] <= 10 and sum(split) == 32, split
     even = choose_layer_split(pl, {"a": _node("a", 1.0), "b": _node("b", 1.0)}, cost)
     assert abs(even[0] - even[1]) <= 2, even
+
+
+def test_the_run_specs_link_shaper_is_in_the_coordinators_prediction() -> None:
+    """Issue 19: crucible-swarm prints the coordinator's prediction, so the coordinator must see the run's
+    in-process shaper (`pipeline.bandwidth_mbps`, `delay_ms`) as the calibration always did: it paces every
+    pipeline link on top of what the nodes measured over loopback. One formula for both
+    (`plan_links.shaped_link`): the calibration's link and the coordinator's agree."""
+    from coordinator.placement import predict_placement
+    from coordinator.plan_links import shaped_link
+    from protocol.runspec import PipelineSpec
+    from scripts.calibrate_local import link_figures
+
+    spec = RunSpec(
+        run_id="shaped",
+        replicas=1,
+        stages=2,
+        model=ModelSpec(d_model=64, n_layers=2, n_heads=2, d_ff=176, seq_len=64),
+        train=TrainSpec(total_steps=10, batch_size=4, microbatches=2),
+    )
+    ads = {p: _node(p, 0.1, device="cpu", peer_mbps={q: 9000.0 for q in "ab" if q != p}) for p in "ab"}
+    pl = Placement({(0, 0): "a", (0, 1): "b"})
+    plain = CostModel.from_spec(spec)
+    paced = dataclasses.replace(spec, pipeline=PipelineSpec(bandwidth_mbps=20.0, delay_ms=8.0))
+    cost = CostModel.from_spec(paced)
+    assert (cost.shaper_mbps, cost.shaper_delay_ms) == (20.0, 8.0)
+    layout = placement_layout(pl, ads, cost)
+    assert layout.link_mbps == ((pytest.approx(1 / (1 / 20 + 1 / 9000)),),)
+    assert layout.link_rtt_ms == ((16.0,),)  # 2 x 8 ms; nothing measured a round trip
+    assert link_figures(paced, 9000.0, 0.0) == shaped_link(9000.0, 0.0, 20.0, 8.0)
+    slow, fast = predict_placement(pl, ads, cost), predict_placement(pl, ads, plain)
+    assert slow.tokens_per_s < 0.5 * fast.tokens_per_s

@@ -1,21 +1,21 @@
 """`crucible-coordinator`: the operator's CLI (init, launch, status, stop, export, plan) and a run coordinator.
 
-crucible-coordinator init [--operator-key-file KEY]      create the operator key once; prints the peer id
-                                                         providers give their nodes (--operator-key)
-crucible-coordinator serve  --bootstrap MA --store-endpoint URL [--operator-key-file KEY]
-crucible-coordinator certify PEER_ID --expires 7d|2026-12-31T00:00Z --run RUN|--any-run --out CERT
-                             [--operator-key-file KEY]   certify a coordinator's own key (no operator key
-                                                         on the coordinator host)
-crucible-coordinator serve  --key-file NODE_KEY --certificate CERT --operator-key 12D3KooW... \
-                            --bootstrap MA --store-endpoint URL
-crucible-coordinator launch run.toml --bootstrap MA --store-endpoint URL [--operator-key-file KEY] [--watch]
-crucible-coordinator status [RUN] --bootstrap MA --operator-key 12D3KooW...
-crucible-coordinator stop RUN --store-endpoint URL [--operator-key-file KEY]
-crucible-coordinator export RUN --out DIR --operator-key 12D3KooW... --store-endpoint URL [--round N]
-crucible-coordinator plan --model 8b --pool pool.toml
+examples:
+  crucible-coordinator init
+  crucible-coordinator serve --bootstrap MA --store-endpoint URL
+  crucible-coordinator certify PEER_ID --expires 7d --any-run --out CERT
+  crucible-coordinator serve --key-file NODE_KEY --certificate CERT --operator-key 12D3KooW... \\
+                             --bootstrap MA --store-endpoint URL
+  crucible-coordinator launch run.toml --bootstrap MA --store-endpoint URL [--watch]
+  crucible-coordinator status [RUN] --bootstrap MA --operator-key 12D3KooW...
+  crucible-coordinator stop RUN --store-endpoint URL
+  crucible-coordinator export RUN --out DIR --operator-key 12D3KooW... --store-endpoint URL
+  crucible-coordinator plan --model 8b --pool pool.toml
 
-KEY defaults to ~/.crucible/operator.key; only `init` creates it (a key made up by serve or launch would be
-trusted by no node). A mistake in the arguments exits 2 with one line naming it; --debug shows tracebacks.
+MA is a multiaddr (/ip4/203.0.113.7/tcp/31337/p2p/12D3KooW...). serve, launch, stop and certify
+sign with the operator key, --operator-key-file (default ~/.crucible/operator.key); only `init`
+creates it (a key made up by another command would be trusted by no node). A mistake in the
+arguments exits 2 with one line naming it; --debug shows tracebacks.
 """
 
 from __future__ import annotations
@@ -23,6 +23,7 @@ from __future__ import annotations
 import argparse
 import ipaddress
 import logging
+import math
 import os
 import re
 import sys
@@ -52,7 +53,7 @@ from protocol.cli_errors import (
 )
 from protocol.delegation import OperatorTrust, RefusalLog, issue, utc
 from protocol.identity import Identity
-from protocol.logs import LOG_FORMATS, LOG_LEVELS, setup_logging, version
+from protocol.logs import add_log_args, json_line, setup_logging, version
 from protocol.messages import ANY_RUN, MAX_DELEGATION_S, NodeAdvert, RunRecord
 from protocol.runspec import check_run_id, load_run_spec
 from protocol.signals import install_stop_signals
@@ -63,20 +64,15 @@ if TYPE_CHECKING:  # hivemind and boto3 take seconds to import: only the command
 
 log = logging.getLogger("crucible.coordinator")
 PROG = "crucible-coordinator"
+EPILOG = (__doc__ or "").split("\n\n", 1)[1]
+"""The examples and notes of the module docstring (its title is the parser's description)."""
 BUCKET_PATTERN = re.compile(r"[a-z0-9][a-z0-9.-]{1,61}[a-z0-9]")
 """S3 bucket names (as MinIO and R2 apply them too): 3-63 lowercase letters, digits, dots and dashes."""
 
 
-def _common_args(p: argparse.ArgumentParser, *, log_level: bool = True, log_default: str = "WARNING") -> None:
+def _common_args(p: argparse.ArgumentParser, *, log_default: str = "WARNING") -> None:
     """log_default: INFO for the service (serve), WARNING for one-shot commands (quiet unless wrong)."""
-    if log_level:
-        p.add_argument("--log-level", default=log_default, choices=LOG_LEVELS, help=f"default {log_default}")
-        p.add_argument(
-            "--log-format",
-            default="text",
-            choices=LOG_FORMATS,
-            help="text (default) or json: one object per line (ts, level, logger, msg, pid)",
-        )
+    add_log_args(p, log_default)
     p.add_argument("--debug", action="store_true", help="show the traceback of an error")
 
 
@@ -129,7 +125,7 @@ def build_parser() -> argparse.ArgumentParser:
         prog=PROG,
         description="Crucible run coordinator and operator CLI.",
         formatter_class=argparse.RawDescriptionHelpFormatter,
-        epilog=__doc__,
+        epilog=EPILOG,
     )
     ap.add_argument("--version", action="version", version=f"%(prog)s {version()}")
     sub = ap.add_subparsers(dest="command", required=True, metavar="COMMAND")
@@ -141,20 +137,26 @@ def build_parser() -> argparse.ArgumentParser:
     _key_file_arg(
         it, f"where to write the key (default {DEFAULT_OPERATOR_KEY_FILE}); an existing key is kept"
     )
-    _common_args(it, log_level=False)
+    _common_args(it)
 
     s = sub.add_parser(
         "serve", help="run a coordinator: take launched runs' leases, place nodes, publish assignments"
     )
     _swarm_args(s, store=True, key=True, log_default="INFO")
     s.add_argument(
-        "--lease-s", type=float, default=15.0, help="run lease duration in seconds (renewed every tick)"
+        "--lease-s",
+        type=float,
+        default=15.0,
+        metavar="SECONDS",
+        help="run lease duration, renewed every tick; another coordinator takes a lapsed one over "
+        "(default %(default)g)",
     )
     s.add_argument(
         "--churn-grace-s",
         type=float,
         default=10.0,
-        help="how long an assigned node may be silent before it counts as gone",
+        metavar="SECONDS",
+        help="how long an assigned node may be silent before it counts as gone (default %(default)g)",
     )
     s.add_argument(
         "--key-file",
@@ -212,7 +214,7 @@ def build_parser() -> argparse.ArgumentParser:
         ce,
         f"operator key that signs the certificate (default {DEFAULT_OPERATOR_KEY_FILE}); never created here",
     )
-    _common_args(ce, log_level=False)
+    _common_args(ce)
 
     la = sub.add_parser("launch", help="launch a run described by a TOML file (see docs/examples/run.toml)")
     la.add_argument("run_toml", type=Path, help="run spec file ([run], [model], [train], [sync], [pipeline])")
@@ -442,7 +444,10 @@ def format_status(
 ) -> str:
     """The status table. `signers` (run id -> signer peer id) is given when the run records were not
     checked against the operator key: each run line then names its signer, and a note says so."""
+    from coordinator.run_views import DROPPED_OUT, dropped_out_of
+
     lines = [UNVERIFIED_NOTE] if signers is not None else []
+    dropped = {rid: dropped_out_of(rec.reason) for rid, rec in runs.items()}
     for rid, rec in sorted(runs.items()):
         if only and rid != only:
             continue
@@ -461,17 +466,18 @@ def format_status(
             f"run {only}: not found in the DHT (launched? its record expires 60 s after its coordinator stops)"
         )
     lines.append(
-        f"{'node':<10} {'state':<9} {'run':<16} {'r/s':<5} {'step':>6} {'loss':>7} {'val bpb':>8} {'tok/s':>8} "
+        f"{'node':<10} {'state':<11} {'run':<16} {'r/s':<5} {'step':>6} {'b/token':>7} {'val b/B':>8} {'tok/s':>8} "
         f"{'pipe MB':>8} {'store MB':>8} {'TFLOP/s':>8}"
     )
     for peer, a in sorted(nodes.items(), key=lambda kv: (kv[1].run_id, kv[1].replica, kv[1].stage)):
         if only and a.run_id != only:
             continue
-        loss = f"{a.loss:.3f}" if a.loss is not None else "-"
+        loss = f"{a.loss / math.log(2):.3f}" if a.loss is not None else "-"  # adverts carry nats
         bpb = f"{a.val_bpb:.3f}" if a.val_bpb is not None else "-"
         rs = f"{a.replica}/{a.stage}" if a.replica >= 0 else "-"
+        state = DROPPED_OUT if a.replica in dropped.get(a.run_id, ()) else a.state
         lines.append(
-            f"{peer[-8:]:<10} {a.state:<9} {a.run_id or '-':<16} {rs:<5} {a.step:>6} {loss:>7} {bpb:>8} "
+            f"{peer[-8:]:<10} {state:<11} {a.run_id or '-':<16} {rs:<5} {a.step:>6} {loss:>7} {bpb:>8} "
             f"{a.tokens_per_s:>8.0f} {a.bytes_pipe / 1e6:>8.1f} {a.bytes_store / 1e6:>8.1f} {a.tflops:>8.3f}"
         )
         if a.state == "failed" and a.error:
@@ -479,11 +485,8 @@ def format_status(
     return "\n".join(lines)
 
 
-def _read_views(
-    dht: DHTClient, trust: OperatorTrust | None
-) -> tuple[dict[str, RunRecord], dict[str, NodeAdvert], dict[str, str]]:
-    """Run records (signed by the operator or a coordinator it certified for the run; any signer if `trust`
-    is None), node adverts (each signed by the node it describes), and the signer of each run record shown."""
+def _read_runs(dht: DHTClient, trust: OperatorTrust | None) -> tuple[dict[str, RunRecord], dict[str, str]]:
+    """The newest run record of each run in the DHT (`_read_views`), and who signed it."""
     runs: dict[str, RunRecord] = {}
     signers: dict[str, str] = {}
     found = dht.get_all(keys.RUNS_KEY, RunRecord).values()
@@ -492,6 +495,15 @@ def _read_views(
         if rec.spec.run_id not in runs or rec.updated > runs[rec.spec.run_id].updated:
             runs[rec.spec.run_id] = rec
             signers[rec.spec.run_id] = signed.signer_id
+    return runs, signers
+
+
+def _read_views(
+    dht: DHTClient, trust: OperatorTrust | None
+) -> tuple[dict[str, RunRecord], dict[str, NodeAdvert], dict[str, str]]:
+    """Run records (signed by the operator or a coordinator it certified for the run; any signer if `trust`
+    is None), node adverts (each signed by the node it describes), and the signer of each run record shown."""
+    runs, signers = _read_runs(dht, trust)
     nodes = {
         k: v.body
         for k, v in dht.get_all(keys.NODES_KEY, NodeAdvert).items()
@@ -549,8 +561,10 @@ def cmd_serve(args: argparse.Namespace) -> int:
     install_stop_signals(coord.stop_event.set)
     if args.certificate_bytes:
         who = f"coordinator={ident.peer_id} certified by operator={args.operator_key}"
+        signer = {"operator": args.operator_key, "coordinator": ident.peer_id}
     else:
         who = f"operator={ident.peer_id}"
+        signer = {"operator": ident.peer_id}
     try:
         dashboard = Dashboard(coord, args.http_host, args.http_port)
     except RuntimeError:
@@ -558,7 +572,12 @@ def cmd_serve(args: argparse.Namespace) -> int:
         raise
     shown = "127.0.0.1" if args.http_host in ("0.0.0.0", "") else args.http_host
     coord.dashboard_url = f"http://{shown}:{dashboard.port}/"
-    print(f"crucible-coordinator ready: {who} dht={dht.peer_id} dashboard={coord.dashboard_url}", flush=True)
+    ready = f"{PROG} ready: {who} dht={dht.peer_id} dashboard={coord.dashboard_url}"
+    if args.log_format == "json":  # a log collector reading the json format parses this line too
+        ready = json_line(
+            ready, log.name, event="ready", **signer, dht=dht.peer_id, dashboard=coord.dashboard_url
+        )
+    print(ready, flush=True)
     try:
         coord.serve()
     finally:
@@ -567,23 +586,50 @@ def cmd_serve(args: argparse.Namespace) -> int:
     return 0
 
 
+def _refuse_finished(args: argparse.Namespace, *found: RunRecord | None) -> None:
+    """A run id that finished (done) is not launched again: its coordinator would find every node done
+    and nothing would train. `found`: its records, the store's copy (it outlives the DHT's) and the
+    DHT's; the newest counts. A stopped or failed run may be launched again: it resumes from its
+    checkpoints."""
+    newest = max((r for r in found if r is not None), key=lambda r: r.updated, default=None)
+    if newest is not None and newest.state == "done":
+        raise UsageError(
+            f"run {args.spec.run_id} already finished (done at {utc(newest.updated)}); launch it under a new "
+            f"run id (run_id in [run] of {args.run_toml})"
+        )
+
+
 def cmd_launch(args: argparse.Namespace) -> int:
-    from coordinator.service import launch
+    from coordinator.lease import launch, stored_record
 
     spec = args.spec
     ident: Identity = args.operator
+    trust = OperatorTrust.of({ident.public_key})  # its coordinators sign under its certificates
     store = _store(args)
+    store.ensure_bucket()  # a new store: launch makes its bucket
+    try:
+        stored = stored_record(store, spec.run_id, trust)
+    except ValueError as e:  # garbage or a stranger's object there: launching writes over it
+        log.warning("%s; launching over it", e)
+        stored = None
+    _refuse_finished(args, stored)  # before joining the DHT: seconds sooner
     dht = _dht(args)
     try:
+        _refuse_finished(args, stored, _read_runs(dht, trust)[0].get(spec.run_id))
         launch(dht, store, ident, RunRecord(spec=spec, state="pending", updated=time.time()))
         print(
             f"launched run {spec.run_id}: {spec.replicas} replicas x {spec.stages} stages, "
             f"{spec.train.total_steps} steps; operator {ident.peer_id} (nodes must trust it: --operator-key)",
             flush=True,
         )
+        print(
+            f"it is pending until a coordinator places it on {spec.replicas * spec.stages} free nodes; "
+            f"`{PROG} status {spec.run_id}` shows its state, and what it waits for",
+            flush=True,
+        )
         if args.watch:
             while True:  # run records count only when signed by this operator (its coordinators sign so)
-                runs, nodes, _ = _read_views(dht, OperatorTrust.of({ident.public_key}))
+                runs, nodes, _ = _read_views(dht, trust)
                 print(format_status(runs, nodes, spec.run_id), flush=True)
                 rec = runs.get(spec.run_id)
                 if rec and rec.state in ("done", "stopped", "failed"):
@@ -599,6 +645,14 @@ def cmd_status(args: argparse.Namespace) -> int:
     dht = _dht(args)
     try:
         runs, nodes, signers = _read_views(dht, trust)
+        if args.run_id and args.run_id not in runs and all(a.run_id != args.run_id for a in nodes.values()):
+            known = ", ".join(sorted(runs)[:10]) or "none"
+            signed = f" signed by --operator-key {args.operator_key}" if trust else ""
+            raise UsageError(
+                f"run {args.run_id!r} not found in the DHT{signed} (runs there: {known}; a record expires "
+                f"60 s after its coordinator stops): check the id, or list the runs with `{PROG} status` "
+                "without RUN"
+            )
         print(format_status(runs, nodes, args.run_id, signers=None if trust else signers))
     finally:
         dht.shutdown()
@@ -606,10 +660,20 @@ def cmd_status(args: argparse.Namespace) -> int:
 
 
 def cmd_stop(args: argparse.Namespace) -> int:
-    from coordinator.service import request_stop
+    from coordinator.lease import request_stop, stored_record
 
-    request_stop(_store(args), args.operator, args.run_id)
-    print(f"stop requested for run {args.run_id}; its coordinator stops the nodes within a few seconds")
+    store, rid = _store(args), args.run_id
+    rec = stored_record(store, rid, OperatorTrust.of({args.operator.public_key}))
+    if rec is None:
+        raise UsageError(
+            f"no run {rid!r} in bucket {args.store_bucket} at {args.store_endpoint} (no {keys.spec_key(rid)}): "
+            f"check the id and the store; `{PROG} status --bootstrap MULTIADDR` lists the runs"
+        )
+    if rec.state in ("done", "stopped", "failed"):
+        print(f"run {rid} already ended ({rec.state} at {utc(rec.updated)}); nothing to stop")
+        return 0
+    request_stop(store, args.operator, rid)
+    print(f"stop requested for run {rid}; its coordinator stops the nodes within a few seconds")
     return 0
 
 

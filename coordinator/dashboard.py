@@ -158,13 +158,14 @@ th{background:#f0f0f0} td.l,th.l{text-align:left} a{color:#1a5fb4}
 .plots{display:grid;grid-template-columns:repeat(auto-fill,minmax(420px,1fr));gap:12px}
 .plot{background:#fff;border:1px solid #ddd;padding:6px} .plot h3{font-size:13px;margin:0 0 4px}
 .cell{font:12px monospace;text-align:left} .training{background:#e8f5e9} .failed,.lost{background:#ffebee}
-.done{background:#e3f2fd} .legend span{margin-right:10px} .muted{color:#777}
+.done{background:#e3f2fd} .dropped{background:#eeeeee;color:#666} .legend span{margin-right:10px} .muted{color:#777}
+#run-reason{margin:4px 0;font-weight:600}
 #figures span{display:inline-block;margin-right:18px}
 </style></head><body>
 <h1>Crucible <span class="muted" id="coordinator"></span></h1>
 <table id="runs"><thead><tr><th class="l">run</th><th class="l">state</th><th>step</th><th>tokens/s</th>
 <th>MFU</th><th>tax</th><th>$/Mtok</th><th>loss (bits/token)</th><th>val bits/byte</th></tr></thead><tbody></tbody></table>
-<div id="run"><h2 id="run-title"></h2><div id="run-state" class="muted"></div>
+<div id="run"><h2 id="run-title"></h2><div id="run-state" class="muted"></div><div id="run-reason"></div>
 <div id="figures"><span>tokens/s <b id="tokens-per-s">-</b></span><span>effective MFU <b id="mfu">-</b></span>
 <span>tax <b id="tax">-</b></span><span>$/Mtok <b id="usd-per-mtok">-</b></span><span>predicted <b id="predicted">-</b></span></div>
 <h2>replicas &times; stages</h2><table id="grid"></table>
@@ -184,6 +185,32 @@ const fmt = (x, d) => (x === null || x === undefined) ? "-" : Number(x).toFixed(
 const el = (tag, text, cls) => { const e = document.createElement(tag); if (text !== undefined) e.textContent = text; if (cls) e.className = cls; return e; };
 const short = p => p ? p.slice(-8) : "";
 
+// Axis ticks: a few round values (1, 2 or 5 x 10^k; elapsed time in round seconds, minutes, hours)
+const TIME_STEPS = [1, 2, 5, 10, 15, 30, 60, 120, 300, 600, 900, 1800, 3600, 7200, 10800, 21600, 43200, 86400];
+function niceStep(span, n) {
+  const raw = span / n, mag = Math.pow(10, Math.floor(Math.log10(raw)));
+  return [1, 2, 5, 10].map(m => m * mag).find(x => x >= raw * (1 - 1e-9));
+}
+function ticksOf(lo, hi, step) {
+  const out = [];
+  for (let i = Math.ceil(lo / step - 1e-9); i * step <= hi + step * 1e-9; i++) out.push(i * step);
+  return out;
+}
+function fmtElapsed(t) {
+  t = Math.round(t);
+  if (t < 60) return `${t}s`;
+  if (t < 3600) { const m = Math.floor(t / 60), sec = t % 60; return sec ? `${m}m${String(sec).padStart(2, "0")}s` : `${m}m`; }
+  const h = Math.floor(t / 3600), m = Math.round((t % 3600) / 60);
+  return m ? `${h}h${String(m).padStart(2, "0")}` : `${h}h`;
+}
+// 2,940 below 10,000, then 12.5k, 3.2M, 1.1G: the unit and decimals from the axis's largest tick and its step
+function valueFormat(ticks, step) {
+  const top = Math.max(...ticks.map(Math.abs));
+  const [unit, scale] = top >= 1e9 ? ["G", 1e9] : top >= 1e6 ? ["M", 1e6] : top >= 1e4 ? ["k", 1e3] : ["", 1];
+  const d = Math.min(6, Math.max(0, -Math.floor(Math.log10(step / scale) + 1e-9)));
+  return v => Math.abs(v) < step * 1e-9 ? "0" : (v / scale).toLocaleString("en-US", {minimumFractionDigits: d, maximumFractionDigits: d}) + unit;
+}
+
 function plot(id, series) {
   const svg = document.getElementById(id), W = 420, H = 180, L = 48, B = 20;
   while (svg.firstChild) svg.removeChild(svg.firstChild);
@@ -193,14 +220,26 @@ function plot(id, series) {
   legend.textContent = "";
   if (pts.length === 0) { const t = document.createElementNS(NS, "text"); t.setAttribute("x", 150); t.setAttribute("y", 90); t.textContent = "no data yet"; svg.appendChild(t); return; }
   const xs = pts.map(p => p[0]), ys = pts.map(p => p[1]);
-  let x0 = Math.min(...xs), x1 = Math.max(...xs), y0 = Math.min(0, ...ys), y1 = Math.max(...ys);
-  if (x1 === x0) x1 = x0 + 1; if (y1 === y0) y1 = y0 + 1;
-  const sx = x => L + (x - x0) / (x1 - x0) * (W - L - 6), sy = y => H - B - (y - y0) / (y1 - y0) * (H - B - 8);
+  let x0 = Math.min(0, ...xs), x1 = Math.max(...xs), y0 = Math.min(0, ...ys), y1 = Math.max(...ys);
+  if (x1 === x0) x1 = x0 + 1; if (y1 === y0) y1 = y0 + (y0 ? Math.abs(y0) : 1);
+  const ystep = niceStep(y1 - y0, 4);
+  y0 = Math.floor(y0 / ystep + 1e-9) * ystep; y1 = Math.ceil(y1 / ystep - 1e-9) * ystep;  // round bounds
+  const xstep = TIME_STEPS.find(x => x >= (x1 - x0) / 5) || 86400 * Math.ceil((x1 - x0) / 5 / 86400);
+  const sx = x => L + (x - x0) / (x1 - x0) * (W - L - 8), sy = y => H - B - (y - y0) / (y1 - y0) * (H - B - 8);
+  const text = (cls, x, y, anchor, label) => {
+    const t = document.createElementNS(NS, "text"); t.setAttribute("class", cls); t.setAttribute("x", x); t.setAttribute("y", y);
+    t.setAttribute("font-size", "10"); t.setAttribute("text-anchor", anchor); t.setAttribute("fill", "#555"); t.textContent = label; svg.appendChild(t);
+  };
+  const yticks = ticksOf(y0, y1, ystep), fy = valueFormat(yticks, ystep);
+  for (const v of yticks) {
+    const grid = document.createElementNS(NS, "path");
+    grid.setAttribute("d", `M${L},${sy(v).toFixed(1)} L${W - 8},${sy(v).toFixed(1)}`); grid.setAttribute("stroke", "#eee"); svg.appendChild(grid);
+    text("tick-y", L - 4, sy(v) + 3.5, "end", fy(v));
+  }
+  for (const v of ticksOf(x0, x1, xstep)) text("tick-x", sx(v), H - 6, "middle", fmtElapsed(v));
   const axis = document.createElementNS(NS, "path");
   axis.setAttribute("d", `M${L},4 L${L},${H - B} L${W - 4},${H - B}`); axis.setAttribute("stroke", "#999"); axis.setAttribute("fill", "none");
   svg.appendChild(axis);
-  for (const [y, v] of [[sy(y1), y1], [sy(y0), y0]]) { const t = document.createElementNS(NS, "text"); t.setAttribute("x", 2); t.setAttribute("y", y + 4); t.setAttribute("font-size", "10"); t.textContent = Number(v).toPrecision(3); svg.appendChild(t); }
-  const t = document.createElementNS(NS, "text"); t.setAttribute("x", W - 90); t.setAttribute("y", H - 4); t.setAttribute("font-size", "10"); t.textContent = `${(x1 - x0).toFixed(0)} s shown`; svg.appendChild(t);
   for (const s of series) {
     if (s.points.length === 0) continue;
     const line = document.createElementNS(NS, "polyline");
@@ -210,6 +249,7 @@ function plot(id, series) {
     svg.appendChild(line);
     const k = el("span", `\\u25A0 ${s.name}`); k.style.color = s.color; legend.appendChild(k);
   }
+  legend.appendChild(el("span", "x: elapsed time", "muted"));
 }
 
 function series(hist, name, color, f) {
@@ -236,7 +276,8 @@ function render() {
   document.getElementById("run-title").textContent = `run ${r.run_id}: ${r.state}`;
   document.getElementById("run-state").textContent =
     `${r.replicas} replicas x ${r.stages} stages, ${r.sync}, d_model ${r.model.d_model}, ${r.model.n_layers} layers; term ${r.term}` +
-    (r.epoch !== null ? `, epoch ${r.epoch}` : "") + (r.led_here ? "" : ` (led by coordinator ${short(r.coordinator)})`) + (r.reason ? ` - ${r.reason}` : "");
+    (r.epoch !== null ? `, epoch ${r.epoch}` : "") + (r.led_here ? "" : ` (led by coordinator ${short(r.coordinator)})`);
+  document.getElementById("run-reason").textContent = r.reason ? `${r.state}: ${r.reason}` : "";
   const x = r.latest || {};
   document.getElementById("tokens-per-s").textContent = fmt(x.tokens_per_s, 0);
   document.getElementById("mfu").textContent = x.effective_mfu === undefined ? "-" : fmt(100 * x.effective_mfu, 2) + "%";
@@ -251,7 +292,8 @@ function render() {
     const tr = el("tr"); tr.appendChild(el("td", String(i), "l"));
     for (const c of row) {
       if (!c) { tr.appendChild(el("td", "-", "cell")); continue; }
-      const td = el("td", `${short(c.peer_id)} ${c.device}\\n${c.state} step ${c.step} ${fmt(c.tokens_per_s, 0)} tok/s` + (c.error ? `\\n${c.error}` : ""), "cell " + c.state);
+      const what = c.state === "dropped out" ? `dropped out at step ${c.step}` : `${c.state} step ${c.step} ${fmt(c.tokens_per_s, 0)} tok/s`;
+      const td = el("td", `${short(c.peer_id)} ${c.device}\\n${what}` + (c.error ? `\\n${c.error}` : ""), "cell " + c.state.split(" ")[0]);
       td.style.whiteSpace = "pre"; tr.appendChild(td);
     }
     grid.appendChild(tr);

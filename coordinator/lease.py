@@ -8,6 +8,10 @@ the holder signs carries the term, and nodes ignore lower terms.
 A lease counts when the operator signed it or a coordinator it certified for the run did (the lease carries
 the holder's certificate; protocol/delegation.py): two different certified keys of one operator take the
 lease over from each other, and the terms still strictly increase.
+
+Beside the lease, the run's two other objects in the store that coordinate its coordinators and its
+operator: the run record ({run}/spec, `launch`, `stored_record`) and the stop request ({run}/control,
+`request_stop`). Light imports only: `crucible-coordinator launch` and `stop` use them without torch.
 """
 
 from __future__ import annotations
@@ -16,14 +20,18 @@ import logging
 import math
 import time
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
 from protocol import keys
 from protocol.delegation import OperatorTrust
-from protocol.envelope import seal
+from protocol.envelope import open_envelope, seal
 from protocol.identity import Identity
-from protocol.messages import Lease
+from protocol.messages import Lease, RunControl, RunRecord
 from protocol.schema import ProtocolError
 from protocol.store import ObjectStore, ObjectTooLarge
+
+if TYPE_CHECKING:  # hivemind: only `launch` is handed a DHT client
+    from protocol.dht_client import DHTClient
 
 log = logging.getLogger(__name__)
 
@@ -145,3 +153,43 @@ def renew(
     )
     etag = store.put_if_match(keys.lease_key(held.lease.run_id), seal(identity, lease), held.etag)
     return HeldLease(lease, etag) if etag else None
+
+
+# --- the run's record and stop request ------------------------------------------------------------
+def launch(
+    dht: DHTClient, store: ObjectStore, identity: Identity, record: RunRecord, ttl_s: float = 60.0
+) -> None:
+    """Publish a pending run for the coordinators (signed by the operator), in the store and the DHT. A
+    stop request left from an earlier launch of the run is removed first: it would stop this one at once."""
+    store.ensure_bucket()
+    store.delete(keys.control_key(record.spec.run_id))
+    store.put(keys.spec_key(record.spec.run_id), seal(identity, record))
+    dht.publish(keys.RUNS_KEY, record, ttl_s, signer=identity, name=record.spec.run_id)
+
+
+def stored_record(store: ObjectStore, run_id: str, trust: OperatorTrust) -> RunRecord | None:
+    """The run's record in the store ({run}/spec: written by `launch`, then by its coordinators at each
+    placement and state change), if the operator or a coordinator it certified signed it (checked as of
+    when it was signed: a finished run's coordinator certificates may have expired since); None if there
+    is none. Raises ValueError when the object is unreadable or signed by someone else."""
+    blob = store.get(keys.spec_key(run_id), max_bytes=1 << 20)
+    if blob is None:
+        return None
+    try:
+        signed = open_envelope(blob, RunRecord)
+        rec = trust.admit(signed, signed.body.updated).body
+    except (ProtocolError, ValueError) as e:
+        raise ValueError(
+            f"the store's record of run {run_id!r} ({keys.spec_key(run_id)}) is refused: {e}"
+        ) from e
+    if rec.spec.run_id != run_id:
+        raise ValueError(f"the store's record at {keys.spec_key(run_id)} names run {rec.spec.run_id!r}")
+    return rec
+
+
+def request_stop(store: ObjectStore, identity: Identity, run_id: str) -> None:
+    """Ask the run's coordinator to stop it (signed: `Coordinator._check_control` ignores anyone else's)."""
+    store.put(
+        keys.control_key(run_id),
+        seal(identity, RunControl(run_id=run_id, action="stop", issued_at=time.time())),
+    )

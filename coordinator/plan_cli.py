@@ -40,6 +40,7 @@ from protocol.cli_errors import (
     load_toml,
     run_cli,
 )
+from protocol.logs import add_log_args, setup_logging
 from protocol.schema import SchemaError, from_dict
 
 DESCRIPTION = """\
@@ -121,7 +122,8 @@ def add_parser(subparsers: Any) -> argparse.ArgumentParser:
     t.add_argument(
         "--stages",
         type=_count_or_auto,
-        help="S; default (or auto): fewest that fit memory (example: --stages 4)",
+        help="S; default (or auto): the fewest whose stages fit memory, activations in flight included "
+        "(example: --stages 4)",
     )
     t.add_argument(
         "--microbatches", type=int, default=16, help="M per inner step (example: --microbatches 16)"
@@ -158,6 +160,7 @@ def add_parser(subparsers: Any) -> argparse.ArgumentParser:
     e.add_argument("--reference-mfu", type=float, help="MFU it sustains; default --ceiling (example: 0.55)")
     e.add_argument("--reference-name", default="reference", help="label (example: 'AWS p4de.24xlarge CB')")
     p.add_argument("--json", action="store_true", help="print one JSON line instead of the report")
+    add_log_args(p)
     p.add_argument("--debug", action="store_true", help="show the traceback of an error")
     p.set_defaults(func=run)
     return p
@@ -269,6 +272,9 @@ class PlanResult:
     """Economics of --measured-tokens-per-s on the same placed GPUs."""
     unpriced: tuple[str, ...] = ()
     """Host groups placed without a price: every dollar figure is then unknown (n/a; null in JSON)."""
+    device: str = "GPU"
+    """What the placed hosts compute on: GPU, CPU, or device (a mix, or a measured peak only); the report's
+    noun for `prediction.n_gpus`."""
 
     def as_json(self) -> str:
         d = dataclasses.asdict(self)
@@ -317,7 +323,8 @@ def plan(args: argparse.Namespace) -> PlanResult:
         tau=args.tau,
         compression_ratio=args.compression_ratio,
     )
-    hosts = _pool(args).expand(args.usd_per_gpu_hour)
+    pool = _pool(args)
+    hosts = pool.expand(args.usd_per_gpu_hour)
     S = args.stages if args.stages is not None else auto_stages(shape, hosts, settings)
     R = args.replicas if args.replicas is not None else len(hosts) // S
     if R < 1:
@@ -329,6 +336,9 @@ def plan(args: argparse.Namespace) -> PlanResult:
         {h.name.rsplit("#", 1)[0] for row in layout.replicas for h in row if h.usd_per_hour <= 0}
     )
     pred = predict(shape, layout, settings)
+    accelerator = {g.name: g.accelerator for g in pool.hosts}
+    placed = {accelerator[h.name.rsplit("#", 1)[0]] for row in layout.replicas for h in row}
+    device = "CPU" if placed == {"cpu"} else "GPU" if "cpu" not in placed and "" not in placed else "device"
     ref = None
     if args.reference_usd_per_hour is not None:
         ref = ReferenceCluster.from_instance(
@@ -361,6 +371,7 @@ def plan(args: argparse.Namespace) -> PlanResult:
         predicted=price(pred.tokens_per_s),
         measured=price(args.measured_tokens_per_s) if args.measured_tokens_per_s is not None else None,
         unpriced=tuple(unpriced),
+        device=device,
     )
 
 
@@ -369,6 +380,11 @@ def _si(x: float) -> str:
         if x >= scale:
             return f"{x / scale:.2f} {unit}"
     return f"{x:.0f} "
+
+
+def _count(n: int, noun: str) -> str:
+    """`1 stage`, `4 stages`, `1 CPU`, `48 GPUs`."""
+    return f"{n} {noun}" if n == 1 else f"{n} {noun}s"
 
 
 def _k(x: float) -> str:
@@ -390,8 +406,9 @@ def report(res: PlanResult) -> str:
     slowest = max((ln.transfer_s for ln in p.links), default=0.0)
     lines = [
         f"model      {res.model}: {_si(res.n_params).replace('G', 'B')} params, {_si(p.flops_per_token)}FLOP/token",
-        f"topology   {res.replicas} replicas x {res.stages} stages on {p.n_gpus} GPUs "
-        f"({res.unused_hosts} host(s) unused); layers/stage {'/'.join(map(str, p.layers))}",
+        f"topology   {_count(res.replicas, 'replica')} x {_count(res.stages, 'stage')} on "
+        f"{_count(p.n_gpus, res.device)} ({_count(res.unused_hosts, 'host')} unused); "
+        f"layers/stage {'/'.join(map(str, p.layers))}",
         f"links      k {', '.join(map(str, ks)) or 'n/a (one stage)'}; slowest message {slowest * 1e3:.0f} ms; "
         f"{sum(not ln.hidden for ln in p.links)} of {len(p.links)} not hidden by compute",
         f"sync       fragment transfer {p.fragment_transfer_s:.2f} s vs overlap window {p.overlap_window_s:.2f} s",
@@ -442,6 +459,7 @@ def _main(argv: list[str] | None) -> int:
     parser = ArgumentParser(prog="crucible-coordinator")
     add_parser(parser.add_subparsers(dest="command", required=True))
     args = parser.parse_args(argv)
+    setup_logging(args.log_level, args.log_format)
     return int(args.func(args))
 
 

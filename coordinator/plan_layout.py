@@ -70,13 +70,17 @@ def balance_layers(
     stage_memory_gb: list[float] | None = None,
     *,
     state_bytes_per_param: float | None = None,
+    activations: RunSettings | None = None,
 ) -> tuple[int, ...]:
     """Layers per stage minimising the slowest stage's time, given each stage's (slowest) peak.
 
     Greedy: every stage starts with one layer, each further layer goes to the stage that would be
-    fastest after taking it, among the stages whose state (`state_bytes_per_param` per parameter; None:
-    `RunSettings().state_bytes_per_param()`, 27) still fits 90% of `stage_memory_gb` (0 or None:
-    unlimited). Optimal for min-max over increasing costs.
+    fastest after taking it, among the stages that still fit 90% of `stage_memory_gb` (0 or None:
+    unlimited). What must fit: the parameter state, `state_bytes_per_param` per parameter (None:
+    `RunSettings().state_bytes_per_param()`, 27); with `activations` given, the stage's whole training
+    memory under those settings instead (`stage_memory_bytes`: state, bf16 copies and the activations of
+    the microbatches in flight, which grow with S on the first stages). Optimal for min-max over
+    increasing costs.
     """
     S = len(stage_tflops)
     if not 1 <= S <= shape.n_layers:
@@ -90,11 +94,17 @@ def balance_layers(
     layers = [1] * S
 
     def fits(s: int, n: int) -> bool:
-        trial = tuple(n if i == s else layers[i] for i in range(S))
-        return not mem[s] or stage_params(shape, trial)[s] * per_param <= MEMORY_HEADROOM * mem[s] * memory.GB
+        if not mem[s]:
+            return True
+        if activations is not None:
+            need = float(_stage_memory(shape, n, s, S, activations))
+        else:
+            need = _stage_param_count(shape, n, s, S) * per_param
+        return need <= MEMORY_HEADROOM * mem[s] * memory.GB
 
+    what = "training memory (activations included)" if activations is not None else "memory"
     if not all(fits(s, 1) for s in range(S)):
-        raise ValueError(f"one layer per stage does not fit the memory of {S} stages; use more stages")
+        raise ValueError(f"one layer per stage does not fit the {what} of {S} stages; use more stages")
     for _ in range(shape.n_layers - S):
         cost = [
             ((n + 1) * per_layer + (head if s == S - 1 else 0.0)) / stage_tflops[s]
@@ -103,9 +113,18 @@ def balance_layers(
             for s, n in enumerate(layers)
         ]
         if min(cost) == math.inf:
-            raise ValueError(f"{shape.n_layers} layers do not fit the memory of {S} stages; use more stages")
+            raise ValueError(f"{shape.n_layers} layers do not fit the {what} of {S} stages; use more stages")
         layers[cost.index(min(cost))] += 1
     return tuple(layers)
+
+
+def _stage_param_count(shape: ModelShape, n: int, s: int, S: int) -> int:
+    """Parameters of stage s of S holding n layers: the embedding on the first, the head on the last."""
+    return (
+        n * shape.layer_params
+        + (shape.vocab * shape.d_model if s == 0 else 0)
+        + (shape.head_params if s == S - 1 else 0)
+    )
 
 
 def stage_params(shape: ModelShape, layers: tuple[int, ...]) -> list[int]:
@@ -121,28 +140,28 @@ def stage_memory_bytes(shape: ModelShape, layers: tuple[int, ...], settings: Run
     weight copy per step (the step's microbatches share one autocast region), plus activations without
     recomputation. Grouped-query
     attention is counted as full attention (an upper bound)."""
-    S, tokens = len(layers), settings.microbatch_size * shape.seq_len
+    return [_stage_memory(shape, n, s, len(layers), settings) for s, n in enumerate(layers)]
+
+
+def _stage_memory(shape: ModelShape, n: int, s: int, S: int, settings: RunSettings) -> int:
+    """`stage_memory_bytes` of stage s of S holding n layers (one stage: the layer balance asks often)."""
     per_param = memory.bytes_per_param(
         "bf16", method="sparseloco", captured_share=settings.captured_share(), graphs=0
     )
-    out = []
-    for s, n_params in enumerate(stage_params(shape, layers)):
-        alive = settings.in_flight(S, s)
-        matmul = layers[s] * (shape.layer_params - 2 * shape.d_model) + (
-            shape.head_params - shape.d_model if s == S - 1 else 0
-        )
-        act = memory.activation_bytes(
-            layers=layers[s],
-            tokens=tokens,
-            d_model=shape.d_model,
-            d_ff=shape.d_ff,
-            vocab=shape.vocab,
-            alive=alive,
-            last=s == S - 1,
-            precision="bf16",
-        )
-        out.append(round(n_params * per_param) + memory.BYTES_PER_PARAM["autocast_copy"] * matmul + act)
-    return out
+    last = s == S - 1
+    matmul = n * (shape.layer_params - 2 * shape.d_model) + (shape.head_params - shape.d_model if last else 0)
+    act = memory.activation_bytes(
+        layers=n,
+        tokens=settings.microbatch_size * shape.seq_len,
+        d_model=shape.d_model,
+        d_ff=shape.d_ff,
+        vocab=shape.vocab,
+        alive=settings.in_flight(S, s),
+        last=last,
+        precision="bf16",
+    )
+    n_params = _stage_param_count(shape, n, s, S)
+    return round(n_params * per_param) + memory.BYTES_PER_PARAM["autocast_copy"] * matmul + act
 
 
 def naive_layout(
@@ -151,10 +170,23 @@ def naive_layout(
     """A simple placement for the CLI: fastest hosts first, stage s of every replica on similar hosts.
 
     Hosts are sorted by peak (then price); the first R x S are used, stage s gets the s-th group of R
-    so the shared layer split (`balance_layers` on each stage's slowest host, with the state bytes of
-    `settings`, default RunSettings()) wastes little. Real placement also weighs bandwidth; this only
-    needs to be reasonable.
+    so the shared layer split (`balance_layers` on each stage's slowest host) wastes little. The split
+    fits each stage's whole training memory under `settings` (default RunSettings()) where it can, else
+    only its parameter state (`predict` then warns about the activations). Real placement also weighs
+    bandwidth; this only needs to be reasonable.
     """
+    return _layout(shape, hosts, replicas, stages, settings or RunSettings(), activations_must_fit=False)
+
+
+def _layout(
+    shape: ModelShape,
+    hosts: list[Host],
+    replicas: int,
+    stages: int,
+    settings: RunSettings,
+    *,
+    activations_must_fit: bool,
+) -> Layout:
     if replicas < 1 or stages < 1:
         raise ValueError(f"replicas and stages must be >= 1 (got {replicas} x {stages})")
     if replicas * stages > len(hosts):
@@ -163,23 +195,30 @@ def naive_layout(
         )
     ranked = sorted(hosts, key=lambda h: (-h.peak_tflops, h.usd_per_hour / h.gpus))[: replicas * stages]
     groups = [ranked[s * replicas : (s + 1) * replicas] for s in range(stages)]
-    layers = balance_layers(
-        shape,
-        [min(h.peak_tflops for h in g) for g in groups],
-        [min(h.memory_gb for h in g) for g in groups],
-        state_bytes_per_param=(settings or RunSettings()).state_bytes_per_param(),
-    )
+    tflops = [min(h.peak_tflops for h in g) for g in groups]
+    mem = [min(h.memory_gb for h in g) for g in groups]
+    try:
+        layers = balance_layers(shape, tflops, mem, activations=settings)
+    except ValueError:
+        if activations_must_fit:
+            raise
+        layers = balance_layers(shape, tflops, mem, state_bytes_per_param=settings.state_bytes_per_param())
     return Layout(
         replicas=tuple(tuple(groups[s][r] for s in range(stages)) for r in range(replicas)), layers=layers
     )
 
 
 def auto_stages(shape: ModelShape, hosts: list[Host], settings: RunSettings | None = None) -> int:
-    """Fewest stages S for which `naive_layout` with R = hosts // S fits every stage's memory."""
-    for S in range(1, min(shape.n_layers, len(hosts)) + 1):
-        try:
-            naive_layout(shape, hosts, len(hosts) // S, S, settings)
-            return S
-        except ValueError:
-            continue
+    """Fewest stages S for which `naive_layout` with R = hosts // S fits every stage's memory: its whole
+    training memory (activations of the microbatches in flight included) where some S allows that, else
+    its parameter state alone (`predict` then warns about the activations)."""
+    settings = settings or RunSettings()
+    top = min(shape.n_layers, len(hosts))
+    for activations_must_fit in (True, False):
+        for S in range(1, top + 1):
+            try:
+                _layout(shape, hosts, len(hosts) // S, S, settings, activations_must_fit=activations_must_fit)
+                return S
+            except ValueError:
+                continue
     raise ValueError("the model's parameter state does not fit the pool at any stage count")

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import math
+import re
 from typing import TYPE_CHECKING
 
 from coordinator.run_figures import History
@@ -10,6 +11,29 @@ from protocol.messages import NodeAdvert, RunRecord
 
 if TYPE_CHECKING:
     from coordinator.service import ManagedRun
+
+
+DROPPED_OUT = "dropped out"
+"""The state `status` and the dashboard show for the nodes of a replica that left the run."""
+_DROPPED = re.compile(r"replicas? (\d+(?:, \d+)*) dropped out\b")
+
+
+def dropped_out_reason(why: dict[int, str]) -> str:
+    """A run record's reason naming the replicas that dropped out (replica -> why; empty: none), in the
+    one form `dropped_out_of` reads back: `replicas 0, 2 dropped out: ...`."""
+    if not why:
+        return ""
+    rs = sorted(why)
+    head = f"replica{'s' if len(rs) > 1 else ''} {', '.join(map(str, rs))} dropped out"
+    detail = "; ".join(f"replica {r}: {why[r]}" if len(rs) > 1 else why[r] for r in rs if why[r])
+    return f"{head}: {detail}" if detail else head
+
+
+def dropped_out_of(reason: str) -> set[int]:
+    """The replicas a run record's reason says dropped out (`dropped_out_reason`); the record has no field
+    of its own for them."""
+    m = _DROPPED.match(reason)
+    return {int(r) for r in m.group(1).split(", ")} if m else set()
 
 
 def _finite(x: float | None) -> float | None:
@@ -43,6 +67,7 @@ def run_view(
     spec = rec.spec
     latest = history.latest(spec.run_id)
     grid: list[list[dict | None]] = []
+    dropped = run.dropped_out() if run is not None else set()
     if run is not None and run.placement is not None:
         for r in range(spec.replicas):
             row: list[dict | None] = []
@@ -50,15 +75,17 @@ def run_view(
                 peer = run.placement.slots.get((r, s))
                 a = adverts.get(peer) if peer else None
                 on_run = a is not None and a.run_id == spec.run_id
+                state = (a.state if on_run else "lost") if a else "lost"
                 row.append(
                     None
                     if peer is None
                     else {
                         "peer_id": peer,
                         "device": a.device if a else "",
-                        "state": (a.state if on_run else "lost") if a else "lost",
+                        # out of the run: its last figures are no longer the run's
+                        "state": DROPPED_OUT if r in dropped else state,
                         "step": a.step if a and on_run else 0,
-                        "tokens_per_s": a.tokens_per_s if a and on_run else 0.0,
+                        "tokens_per_s": a.tokens_per_s if a and on_run and r not in dropped else 0.0,
                         "loss": _finite(a.loss) if a and on_run else None,
                         "error": a.error if a and on_run else "",
                     }
@@ -79,10 +106,11 @@ def run_view(
         "sync": spec.sync.method,
         "model": {"d_model": m.d_model, "n_layers": m.n_layers, "seq_len": m.seq_len, "vocab": m.vocab},
         "epoch": run.epoch if run else None,
+        "dropped_out": sorted(dropped) if run is not None else sorted(dropped_out_of(rec.reason)),
         "prediction": run.prediction if run else None,
         "grid": grid,
         "latest": latest.as_dict() if latest else None,
     }
 
 
-__all__ = ["node_view", "run_view"]
+__all__ = ["DROPPED_OUT", "dropped_out_of", "dropped_out_reason", "node_view", "run_view"]

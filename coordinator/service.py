@@ -14,6 +14,7 @@ from dataclasses import dataclass, field, replace
 import msgpack
 
 from coordinator.lease import HeldLease, renew, try_acquire
+from coordinator.lease import launch as launch  # where it lived: callers (tests) import it from here
 from coordinator.placement import (
     CostModel,
     Placement,
@@ -21,13 +22,12 @@ from coordinator.placement import (
     choose_boundary_k,
     choose_layer_split,
     place,
-    placement_layout,
+    predict_placement,
     repair,
     stage_needs,
 )
-from coordinator.planner import predict
-from coordinator.run_figures import History, sample
-from coordinator.run_views import node_view, run_view
+from coordinator.run_figures import History, prediction_view, sample
+from coordinator.run_views import dropped_out_reason, node_view, run_view
 from protocol import keys
 from protocol.checkpoint import list_rounds
 from protocol.delegation import OperatorTrust, RefusalLog, Untrusted
@@ -63,7 +63,6 @@ class ManagedRun:
     placement: Placement | None = None
     assignments: dict[str, Assignment] = field(default_factory=dict)
     epoch: int = 0
-    started: float = 0.0
     missing_since: dict[str, float] = field(default_factory=dict)
     former: dict[tuple[int, int], list[str]] = field(default_factory=dict)
     """(replica, stage) -> nodes that served the slot before churn replaced them, oldest first."""
@@ -78,6 +77,16 @@ class ManagedRun:
     dropped: set[int] = field(default_factory=set)
     """Replicas that dropped out (lost a node, none free to rebuild): no longer in the survivors'
     stage_peers, so their rounds stop waiting out the deadline for them."""
+    rebuild_note: str = ""
+    """Why the last rebuild could not be made: logged once per change, not on every tick."""
+
+    def dropped_out(self) -> set[int]:
+        """Replicas out of the run: told to the survivors (`dropped`), or lost with no node to rebuild them
+        (not told when the survivors had finished, but out all the same)."""
+        if self.placement is None:
+            return set()
+        lost = {p for p, t in self.missing_since.items() if t == -1.0}
+        return self.dropped | {r for (r, _), p in self.placement.slots.items() if p in lost}
 
 
 class Coordinator:
@@ -246,6 +255,21 @@ class Coordinator:
             updated=dht_time(),
             reason=reason[:MAX_TEXT],
         )
+        try:  # the store's copy outlives the DHT record: `launch` and `stop` read it (a finished run)
+            self.store.put(keys.spec_key(run.record.spec.run_id), seal(self.identity, run.record))
+        except StoreError as e:
+            log.warning("run %s: could not write its record to the store: %s", run.record.spec.run_id, e)
+        self._publish(force=True)
+
+    def _set_reason(self, run: ManagedRun, reason: str) -> None:
+        """Say why the run is as it is (waiting for nodes, a replica dropped out) in its record, so
+        `status` and the dashboard show it; logged and published when it changes."""
+        reason = reason[:MAX_TEXT]
+        if reason == run.record.reason:
+            return
+        if reason:
+            log.info("run %s (%s): %s", run.record.spec.run_id, run.record.state, reason)
+        run.record = replace(run.record, updated=dht_time(), reason=reason)
         self._publish(force=True)
 
     def _archived(self, run: ManagedRun) -> list[Assignment] | None:
@@ -281,7 +305,6 @@ class Coordinator:
         listed = {int(r) for a in mine if a.epoch == run.epoch for r in a.stage_peers}
         run.dropped = {r for r, _ in run.placement.slots} - listed
         run.former = self._former_of(mine, include_holders=False)
-        run.started = time.monotonic()
         log.info(
             "run %s: adopted the placement of term %d epoch %d (%d nodes%s)",
             run.record.spec.run_id,
@@ -340,10 +363,8 @@ class Coordinator:
             run.placement = place(
                 free, spec.replicas, spec.stages, need_bytes=stage_needs(spec), cost=CostModel.from_spec(spec)
             )
-        except PlacementError as e:
-            if time.monotonic() - run.started > 10:
-                log.info("run %s waiting for nodes: %s", spec.run_id, e)
-                run.started = time.monotonic()
+        except PlacementError as e:  # pending, saying why (nodes may join later: then it starts)
+            self._set_reason(run, f"waiting for nodes: {e}; it starts when enough join")
             return
         run.epoch += 1
         # a relaunched run (stopped, or the whole swarm restarted) resumes from its checkpoints
@@ -363,7 +384,6 @@ class Coordinator:
             # the nodes that wrote them may be others: the new ones must trust their signatures
             run.former = self._former_of(self._archived(run) or [], include_holders=True)
         self._assign(run, adverts, set(run.placement.slots), resume_replicas=resume)
-        run.started = time.monotonic()
         self._set_state(run, "running")
         self.events["placements"] += 1
         self._log_prediction(run, adverts)
@@ -376,17 +396,11 @@ class Coordinator:
         assert pl is not None
         try:
             cost = CostModel.from_spec(spec)
-            p = predict(cost.shape, placement_layout(pl, adverts, cost), cost.settings)
+            p = predict_placement(pl, adverts, cost)
         except (ValueError, KeyError) as e:  # an advert gone since placement: nothing to predict from
             log.info("run %s: no prediction: %s", spec.run_id, e)
             return
-        run.prediction = {
-            "tokens_per_s": p.tokens_per_s,
-            "effective_mfu": p.effective_mfu,
-            "tax": p.tax,
-            "usd_per_mtok": p.usd_per_mtok,
-            "warnings": list(p.warnings),
-        }
+        run.prediction = prediction_view(p)
         log.info(
             "run %s: predicted %.0f tokens/s, MFU %.1f%%, $%.4f/Mtok",
             spec.run_id,
@@ -541,8 +555,9 @@ class Coordinator:
                 run.missing_since[peer] = -1.0
         lost = {p for p, t in run.missing_since.items() if t == -1.0}
         self._drop_out(run, adverts, {r for (r, s), p in pl.slots.items() if p in lost})
+        self._set_reason(run, self._dropped_summary(run))
         if done and done + len(lost & set(pl.slots.values())) >= len(pl.slots):
-            self._set_state(run, "done")
+            self._set_state(run, "done", reason=self._dropped_summary(run))
         elif not done and {r for (r, s), p in pl.slots.items() if p in lost} >= {r for r, s in pl.slots}:
             self._set_state(run, "failed", reason=self._failure_summary(run))
 
@@ -577,6 +592,19 @@ class Coordinator:
             seen.append((run.epoch, reason))
 
     @staticmethod
+    def _dropped_summary(run: ManagedRun) -> str:
+        """The replicas out of the run and why (the last reason each of their nodes gave); empty if none."""
+        pl = run.placement
+        why: dict[int, list[str]] = {}
+        for r in sorted(run.dropped_out()):
+            for s in range(run.record.spec.stages):
+                peer = pl.slots.get((r, s)) if pl else None
+                if peer and run.failures.get(peer):
+                    why.setdefault(r, []).append(f"node {peer[-8:]}: {run.failures[peer][-1][1]}")
+            why.setdefault(r, [])
+        return dropped_out_reason({r: "; ".join(w) for r, w in why.items()})
+
+    @staticmethod
     def _failure_summary(run: ManagedRun) -> str:
         """Every replica lost: the distinct reasons the nodes gave, the most frequent first."""
         counts: dict[str, int] = {}
@@ -606,8 +634,12 @@ class Coordinator:
                 adverts=adverts,
             )
         except PlacementError as e:
-            log.info("run %s: cannot rebuild replicas %s yet: %s", run.record.spec.run_id, sorted(broken), e)
+            note = f"cannot rebuild replicas {sorted(broken)} yet: {e}"
+            if note != run.rebuild_note:  # once per change (the tick retries every second)
+                log.info("run %s: %s", run.record.spec.run_id, note)
+                run.rebuild_note = note
             return False
+        run.rebuild_note = ""
         for slot, peer in pl.slots.items():  # the nodes replaced stay signers of the rounds they signed
             if new_pl.slots.get(slot) != peer and peer not in run.former.setdefault(slot, []):
                 run.former[slot].append(peer)
@@ -687,19 +719,3 @@ def read_archive(
     if not mine:
         log.warning("run %s: the assignment archive holds no assignment of this run", rid)
     return mine or None
-
-
-def launch(
-    dht: DHTClient, store: ObjectStore, identity: Identity, record: RunRecord, ttl_s: float = 60.0
-) -> None:
-    """Publish a pending run for the coordinators (signed by the operator)."""
-    store.ensure_bucket()
-    store.put(keys.spec_key(record.spec.run_id), seal(identity, record))
-    dht.publish(keys.RUNS_KEY, record, ttl_s, signer=identity, name=record.spec.run_id)
-
-
-def request_stop(store: ObjectStore, identity: Identity, run_id: str) -> None:
-    store.put(
-        keys.control_key(run_id),
-        seal(identity, RunControl(run_id=run_id, action="stop", issued_at=time.time())),
-    )

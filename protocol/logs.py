@@ -9,10 +9,12 @@ their INFO lines say nothing a user acts on.
 
 from __future__ import annotations
 
+import argparse
 import json
 import logging
 import os
 import sys
+import time
 
 LOG_FORMATS = ("text", "json")
 LOG_LEVELS = ("DEBUG", "INFO", "WARNING", "ERROR")
@@ -38,6 +40,31 @@ class JsonFormatter(logging.Formatter):
         if record.exc_info:
             out["exc"] = self.formatException(record.exc_info)
         return json.dumps(out, default=str)
+
+
+def add_log_args(p: argparse.ArgumentParser, default: str = "WARNING") -> None:
+    """--log-level and --log-format, the same on every command of a CLI."""
+    p.add_argument("--log-level", default=default, choices=LOG_LEVELS, help=f"default {default}")
+    p.add_argument(
+        "--log-format",
+        default="text",
+        choices=LOG_FORMATS,
+        help="text (default) or json: one object per line (ts, level, logger, msg, pid)",
+    )
+
+
+def json_line(msg: str, logger: str, **fields: object) -> str:
+    """A line a CLI prints (a ready line) as one JSON object in the json format's shape (ts, level,
+    logger, msg, pid) plus `fields`, so a log collector reading the json format parses it too."""
+    out: dict[str, object] = {
+        "ts": round(time.time(), 3),
+        "level": "INFO",
+        "logger": logger,
+        "msg": msg,
+        "pid": os.getpid(),
+    }
+    out.update(fields)
+    return json.dumps(out, default=str)
 
 
 def setup_logging(level: str = "INFO", fmt: str = "text") -> None:
@@ -68,4 +95,13 @@ def version() -> str:
         return "0+unknown"
 
 
-__all__ = ["LOG_FORMATS", "LOG_LEVELS", "NOISY", "JsonFormatter", "setup_logging", "version"]
+__all__ = [
+    "LOG_FORMATS",
+    "LOG_LEVELS",
+    "NOISY",
+    "JsonFormatter",
+    "add_log_args",
+    "json_line",
+    "setup_logging",
+    "version",
+]

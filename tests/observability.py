@@ -88,6 +88,22 @@ def chromium(url: str, *args: str, timeout_s: float = 90) -> str:
     return p.stdout
 
 
+def plot_ticks(dom: str, plot_id: str) -> tuple[list[str], list[str]]:
+    """The labels of a dashboard plot's x (time) and y ticks, left to right and bottom to top."""
+    m = re.search(rf'<svg id="{plot_id}"', dom)
+    assert m, f"no plot {plot_id} in {dom[:2000]}"
+    svg = dom[m.start() : dom.index("</svg>", m.start())]
+    xs, ys = (re.findall(rf'<text class="tick-{axis}"[^>]*>([^<]*)</text>', svg) for axis in "xy")
+    return xs, ys
+
+
+def readable_ticks(xs: list[str], ys: list[str]) -> None:
+    """A few ticks on each axis: elapsed time (0s, 30s, 1m, 1m30s, 2h05), numbers as 2,940 or 12.5k,
+    never 2.94e+3."""
+    assert len(xs) >= 3 and all(re.fullmatch(r"\d+[hms](\d\d[ms]?)?", x) for x in xs), xs
+    assert len(ys) >= 3 and all(re.fullmatch(r"-?\d{1,3}(,\d{3})*(\.\d+)?[kMG]?", y) for y in ys), ys
+
+
 def dashboard_shows_run(dashboard: str, run_id: str) -> Path:
     """The page, rendered by a real browser with its scripts run, shows the run, a loss plot with points and
     a tokens/s figure; returns the screenshot's path."""
@@ -103,6 +119,8 @@ def dashboard_shows_run(dashboard: str, run_id: str) -> Path:
     assert tps and re.fullmatch(r"\d+", tps.group(1)), f"tokens/s not shown: {tps and tps.group(0)}"
     tps_plot = re.search(r'<svg id="plot-tps"[^>]*data-points="(\d+)"', dom)
     assert tps_plot and int(tps_plot.group(1)) >= 2
+    for plot_id in ("plot-loss", "plot-tps", "plot-bytes"):  # issue 19: axes labelled, not just 0 and max
+        readable_ticks(*plot_ticks(dom, plot_id))
     OUTPUT.mkdir(parents=True, exist_ok=True)
     shot = OUTPUT / "dashboard.png"
     shot.unlink(missing_ok=True)

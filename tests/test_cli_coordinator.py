@@ -2,18 +2,27 @@
 
 Every mistake exits 2 with one line on stderr that names the flag, key or file, within 10 s, without a
 traceback; only `init` creates an operator key; `plan` refuses negative and zero quantities and says when
-a price is missing. No case reaches the network: each one stops at a check made before any connection
+a price is missing. Those cases reach no network: each one stops at a check made before any connection
 (the addresses below are never dialled), and the checks run before hivemind or torch is imported.
+
+Issue 19 (a new user's first hour), at the end: a real DHT peer and S3 server in this process and a
+coordinator ticked here, no nodes: unknown and finished runs are named, a run waiting for nodes says
+why, a replica that dropped out is shown as such, and the dashboard's plots have readable axes.
 """
 
 from __future__ import annotations
 
+import json
+import logging
 import os
 import re
 import signal
 import subprocess
 import sys
+import time
+from collections.abc import Iterator
 from pathlib import Path
+from typing import Any
 
 import pytest
 
@@ -27,9 +36,9 @@ STORE = ["--store-endpoint", "http://127.0.0.1:9"]
 PEER_ID = re.compile(r"12D3KooW[1-9A-HJ-NP-Za-km-z]{44}")
 
 
-def crucible(home: Path, *argv: str | Path) -> subprocess.CompletedProcess[str]:
+def crucible(home: Path, *argv: str | Path, timeout_s: float = TIMEOUT_S) -> subprocess.CompletedProcess[str]:
     """`crucible-coordinator ARGV` with HOME=home (so the default key path is the test's), killed with its
-    process group after TIMEOUT_S."""
+    process group after timeout_s."""
     env = dict(os.environ, HOME=str(home))
     with subprocess.Popen(
         [sys.executable, "-m", "coordinator.cli", *map(str, argv)],
@@ -41,11 +50,11 @@ def crucible(home: Path, *argv: str | Path) -> subprocess.CompletedProcess[str]:
         start_new_session=True,
     ) as p:
         try:
-            out, err = p.communicate(timeout=TIMEOUT_S)
+            out, err = p.communicate(timeout=timeout_s)
         except subprocess.TimeoutExpired:
             os.killpg(p.pid, signal.SIGKILL)
             out, err = p.communicate()
-            pytest.fail(f"crucible-coordinator {argv} ran past {TIMEOUT_S} s; stderr: {err}")
+            pytest.fail(f"crucible-coordinator {argv} ran past {timeout_s} s; stderr: {err}")
     return subprocess.CompletedProcess(p.args, p.returncode, out, err)
 
 
@@ -264,24 +273,74 @@ def test_help_of_every_subcommand(home: Path, command: str) -> None:
     r = crucible(home, *([command] if command else []), "--help")
     assert r.returncode == 0 and "usage: crucible-coordinator" in r.stdout and not r.stderr, r.stderr
     if command:
-        assert "--debug" in r.stdout
+        assert "--debug" in r.stdout and "--log-format {text,json}" in r.stdout
+        return
+    # issue 19: the examples line up (a continued line goes on under its command's arguments) and fit
+    lines = r.stdout[r.stdout.index("examples:") :].splitlines()
+    examples = [ln for ln in lines if "crucible-coordinator " in ln]
+    assert len(examples) >= 9 and all(ln.startswith("  crucible-coordinator ") for ln in examples), examples
+    for i, ln in enumerate(lines):
+        assert len(ln) <= 100, ln
+        if ln.endswith("\\"):
+            assert lines[i + 1].startswith(" " * len("  crucible-coordinator serve ")), lines[i + 1]
+
+
+def test_serve_help_shows_the_timer_defaults(home: Path) -> None:
+    r = crucible(home, "serve", "--help")
+    flat = " ".join(r.stdout.split())  # argparse wraps to the terminal's width
+    assert re.search(r"--lease-s SECONDS [^-]*\(default 15\)", flat), r.stdout
+    assert re.search(r"--churn-grace-s SECONDS [^-]*\(default 10\)", flat), r.stdout
+
+
+def test_every_command_takes_json_logs(home: Path) -> None:
+    """--log-format json is accepted by every command (init, plan and certify refused it)."""
+    from coordinator.cli import build_parser
+
+    ap = build_parser()
+    key = ["--operator-key-file", str(home / "op.key")]
+    for argv in (
+        ["init", *key],
+        ["certify", PEER, "--expires", "7d", "--any-run", "--out", str(home / "c.cert"), *key],
+        ["serve", *BOOT, *STORE],
+        ["launch", str(RUN_TOML), *BOOT, *STORE],
+        ["status", *BOOT],
+        ["stop", "r", *STORE],
+        ["export", "r", "--out", str(home / "hf"), "--operator-key", PEER, *STORE],
+        ["plan", "--model", "tiny", "--gpus", "2"],
+    ):
+        args = ap.parse_args([*argv, "--log-format", "json", "--log-level", "INFO"])
+        assert (args.log_format, args.log_level) == ("json", "INFO"), argv
+    r = crucible(home, "init", *key, "--log-format", "json")
+    assert r.returncode == 0 and "operator peer id" in r.stdout, r.stderr
+    r = crucible(home, "certify", PEER, "--expires", "7d", "--any-run", "--out", home / "c.cert", *key,
+                 "--log-format", "json")  # fmt: skip
+    assert r.returncode == 0 and (home / "c.cert").exists(), r.stderr
+    r = crucible(home, *PLAN, "--usd-per-gpu-hour", "1", "--log-format", "json")
+    assert r.returncode == 0 and "topology" in r.stdout, r.stderr
 
 
 def test_stop_needs_no_bootstrap(tmp_path: Path, moto_store: str) -> None:
     """Issue 13: options a command does not use are not required: `stop` writes the signed stop request to
     the store and never joins the DHT."""
+    from protocol.envelope import seal
+    from protocol.identity import Identity
+    from protocol.keys import spec_key
+    from protocol.messages import RunRecord
+    from protocol.runspec import RunSpec
     from protocol.store import ObjectStore, StoreConfig
 
-    ObjectStore(StoreConfig(endpoint_url=moto_store, bucket="crucible")).ensure_bucket()
+    store = ObjectStore(StoreConfig(endpoint_url=moto_store, bucket="crucible"))
+    store.ensure_bucket()
     assert crucible(tmp_path, "init").returncode == 0
+    operator = Identity.load_or_create(tmp_path / ".crucible" / "operator.key")
+    record = RunRecord(spec=RunSpec(run_id="some-run"), state="running", updated=time.time())
+    store.put(spec_key("some-run"), seal(operator, record))  # as launch, then its coordinator, write it
     r = crucible(tmp_path, "stop", "some-run", "--store-endpoint", moto_store)
     assert r.returncode == 0 and "stop requested for run some-run" in r.stdout, r.stderr
 
 
 def test_every_cli_has_version_and_json_logs_are_one_object_per_line() -> None:
     import io
-    import json
-    import logging
 
     from protocol.logs import JsonFormatter, setup_logging
 
@@ -320,3 +379,222 @@ def test_every_cli_has_version_and_json_logs_are_one_object_per_line() -> None:
     assert second["exc"].startswith("Traceback") and "ValueError: boom" in second["exc"]
     with pytest.raises(ValueError, match="--log-format json"):
         setup_logging("INFO", "yaml")
+
+
+# ------------------------------------------------------------- issue 19: runs a new user gets wrong
+@pytest.fixture(scope="module")
+def dht() -> Iterator[Any]:
+    """A DHT peer in this process: the CLI's commands bootstrap from it, the coordinator ticked here
+    reads and publishes through it."""
+    from protocol.dht_client import DHTClient
+    from protocol.identity import Identity
+
+    peer = DHTClient(Identity.generate())
+    try:
+        yield peer
+    finally:
+        peer.shutdown()
+
+
+def _operator(home: Path) -> Any:
+    from protocol.identity import Identity
+
+    assert crucible(home, "init").returncode == 0
+    return Identity.load_or_create(home / ".crucible" / "operator.key")
+
+
+DHT_S = 60.0
+"""Commands that join the DHT (hivemind's daemon starts first): seconds more on a loaded host."""
+
+
+def in_process(
+    capsys: pytest.CaptureFixture[str], home: Path, *argv: str | Path
+) -> subprocess.CompletedProcess[str]:
+    """`crucible-coordinator ARGV` through its entry point in this process, HOME=home: a command that joins
+    the DHT, without the 5-10 s of a new interpreter importing hivemind and torch again."""
+    from coordinator.cli import main
+
+    saved = os.environ.get("HOME")
+    os.environ["HOME"] = str(home)
+    try:
+        rc = main([str(a) for a in argv])
+    finally:
+        if saved is None:
+            del os.environ["HOME"]
+        else:
+            os.environ["HOME"] = saved
+    out = capsys.readouterr()
+    return subprocess.CompletedProcess(list(argv), rc, out.out, out.err)
+
+
+def test_the_ready_line_is_json_in_json_mode(home: Path, dht: Any, moto_store: str) -> None:
+    """`serve --log-format json` printed its ready line as text among JSON log lines: it is one JSON
+    object too, with what the text line says (scripts/local_swarm.py reads the text line, which is
+    unchanged: tests/test_delegation.py)."""
+    from scripts.procs import Child
+
+    operator = _operator(home)
+    argv = ["-m", "coordinator.cli", "serve", "--bootstrap", dht.visible_maddrs()[0]]
+    child = Child("serve-json", [*argv, "--store-endpoint", moto_store, "--log-format", "json"], home,
+                  {"HOME": str(home)})  # fmt: skip
+    try:
+        line = child.wait_for(r'\{[^\n]*"event": "ready"[^\n]*\}', DHT_S).group(0)
+        ready = json.loads(line)
+        assert ready["msg"].startswith(f"crucible-coordinator ready: operator={operator.peer_id} dht=")
+        assert ready["operator"] == operator.peer_id and ready["dashboard"].startswith("http://127.0.0.1:")
+        assert ready["dht"].startswith("12D3KooW") and ready["level"] == "INFO" and ready["pid"] > 0
+        assert child.stop(timeout_s=15) == 0
+        for ln in child.log_text().splitlines():  # and every other line is a JSON object
+            assert isinstance(json.loads(ln), dict), ln
+    finally:
+        child.stop(timeout_s=5)
+
+
+def test_unknown_waiting_stopped_and_finished_runs_say_so(
+    home: Path, dht: Any, moto_store: str, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """`stop` and `status` of a run that does not exist exit 2 naming it; a run launched on too few nodes
+    is pending and says why in `status` and the dashboard's API; a run that ended says so to `stop`; a
+    finished run id is not launched again (it printed "launched" and nothing happened)."""
+    from coordinator.service import Coordinator
+    from protocol.envelope import seal
+    from protocol.keys import spec_key
+    from protocol.messages import RunRecord
+    from protocol.runspec import RunSpec
+    from protocol.store import ObjectStore, StoreConfig
+
+    store = ObjectStore(StoreConfig(endpoint_url=moto_store, bucket="crucible"))
+    store.ensure_bucket()
+    operator = _operator(home)
+    boot, at = ["--bootstrap", dht.visible_maddrs()[0]], ["--store-endpoint", moto_store]
+    usage_error(crucible(home, "stop", "nosuch-run", *at), "'nosuch-run'", "status")
+    usage_error(in_process(capsys, home, "status", "nosuch-run", *boot), "'nosuch-run'", "status")
+
+    spec = home / "wide.toml"
+    spec.write_text('[run]\nrun_id = "wide-4x2"\nreplicas = 4\nstages = 2\n')
+    r = in_process(capsys, home, "launch", spec, *boot, *at)
+    assert r.returncode == 0 and "launched run wide-4x2" in r.stdout and "status wide-4x2" in r.stdout, (
+        r.stderr
+    )
+    coord = Coordinator(operator, dht, store)
+    coord.tick()  # no node advertises: it waits, and says for what
+    waiting = "waiting for nodes: need 8 free nodes for 4 replicas x 2 stages, found 0"
+    assert coord.view["runs"]["wide-4x2"]["state"] == "pending"
+    assert coord.view["runs"]["wide-4x2"]["reason"].startswith(waiting)  # what the dashboard shows
+    r = in_process(capsys, home, "status", "wide-4x2", *boot, "--operator-key", operator.peer_id)
+    assert r.returncode == 0 and "run wide-4x2: pending" in r.stdout, r.stdout + r.stderr
+    assert f"reason: {waiting}; it starts when enough join" in r.stdout, r.stdout
+
+    r = crucible(home, "stop", "wide-4x2", *at)
+    assert r.returncode == 0 and "stop requested" in r.stdout, r.stderr
+    coord.tick()
+    assert coord.runs["wide-4x2"].record.state == "stopped"
+    r = crucible(home, "stop", "wide-4x2", *at)  # the coordinator wrote the end to the store
+    assert r.returncode == 0 and re.search(r"already ended \(stopped at \S+Z\); nothing to stop", r.stdout), r
+
+    # a finished run, as its coordinator leaves it in the store (its DHT record expired long ago)
+    finished = RunRecord(spec=RunSpec(run_id="finished-1"), state="done", updated=time.time() - 3600)
+    store.put(spec_key("finished-1"), seal(operator, finished))
+    spec.write_text('[run]\nrun_id = "finished-1"\n')
+    line = usage_error(crucible(home, "launch", spec, *boot, *at, timeout_s=DHT_S), "finished-1", str(spec))
+    assert "already finished (done at" in line and "new run id" in line, line
+
+
+def test_a_replica_that_dropped_out_is_shown_as_such(
+    home: Path,
+    dht: Any,
+    moto_store: str,
+    caplog: pytest.LogCaptureFixture,
+    capsys: pytest.CaptureFixture[str],
+) -> None:
+    """A 2 x 2 run whose replica 1 lost a node with no free node to replace it (a coordinator takes it over
+    from the store): the coordinator logs that it cannot rebuild once, not on every tick; `status` and the
+    dashboard show replica 1 as dropped out, not with its failed node's last figures; the dashboard's
+    plots, rendered by Chromium, label both axes with a few round ticks (time since the first sample,
+    numbers like 2,000)."""
+    import msgpack
+
+    from coordinator.dashboard import Dashboard
+    from coordinator.lease import try_acquire
+    from coordinator.run_figures import Sample
+    from coordinator.service import Coordinator
+    from protocol import keys
+    from protocol.dht_client import dht_time
+    from protocol.envelope import seal
+    from protocol.identity import Identity
+    from protocol.messages import Assignment, NodeAdvert, RunRecord
+    from protocol.runspec import ModelSpec, RunSpec
+    from protocol.store import ObjectStore, StoreConfig
+    from tests.observability import chromium, plot_ticks
+
+    store = ObjectStore(StoreConfig(endpoint_url=moto_store, bucket="crucible"))
+    store.ensure_bucket()
+    operator = _operator(home)
+    rid = "dropping-2x2"
+    spec = RunSpec(run_id=rid, replicas=2, stages=2, model=ModelSpec(d_model=32, n_layers=2, n_heads=2))
+    nodes = {(r, s): Identity.generate() for r in range(2) for s in range(2)}
+    assert try_acquire(store, operator, rid, 30, now=time.time() - 100)  # its first coordinator died
+    archive = [
+        seal(operator, Assignment(
+            run_id=rid, term=1, epoch=3, peer_id=n.peer_id, replica=r, stage=s,
+            layers=list(spec.layer_ranges()[s]), spec=spec,
+            stage_peers={str(rr): nodes[(rr, s)].peer_id for rr in range(2)},
+        ))
+        for (r, s), n in nodes.items()
+    ]  # fmt: skip
+    store.put(keys.assign_key(rid, 1, 3), msgpack.packb(archive))
+    record = RunRecord(spec=spec, state="running", term=1, coordinator=operator.peer_id, updated=dht_time())
+    assert dht.publish(keys.RUNS_KEY, record, 60, signer=operator, name=rid)
+    # replica 0 trains; replica 1's last stage is gone, its first reports the broken link
+    for (r, s), n in nodes.items():
+        if (r, s) == (1, 1):
+            continue
+        advert = NodeAdvert(
+            peer_id=n.peer_id, version="test", device="cpu", memory_gb=16.0, tflops=1.0, price_per_hour=0.5,
+            host="127.0.0.1", port=4000 + 2 * r + s, health_port=5000, run_id=rid, replica=r, stage=s,
+            epoch=3, step=40, tokens_per_s=1470.0, timestamp=dht_time(),
+            state="failed" if r else "training", error="the link to stage 1 closed" if r else "",
+        )  # fmt: skip
+        assert dht.publish(keys.NODES_KEY, advert, 60, signer=n)
+    coord = Coordinator(operator, dht, store)
+    t0 = time.time() - 130  # two minutes of history before the takeover, for the plots' axes
+    for i in range(128):
+        coord.history.add(rid, Sample(
+            t=t0 + i, step=i, loss=5.0 - i / 64, val_bpb=None, tokens_per_s=2940.0 * i / 127,
+            effective_mfu=0.1, tax=0.8, usd_per_mtok=0.5, bytes_pipe=10**6 * i, bytes_store=10**5 * i,
+            nodes_training=4,
+        ))  # fmt: skip
+    with caplog.at_level(logging.INFO, logger="coordinator.service"):
+        for _ in range(4):
+            coord.tick()
+    run = coord.runs[rid]
+    assert run.dropped == {1} and run.record.reason.startswith("replica 1 dropped out: node "), run.record
+    assert "its node stopped advertising" in run.record.reason
+    rebuilds = [m for m in caplog.messages if "cannot rebuild replicas [1] yet" in m]
+    assert len(rebuilds) == 1, caplog.messages  # once, not on each of the 4 ticks
+    grid = coord.view["runs"][rid]["grid"]
+    assert [c["state"] for c in grid[1]] == ["dropped out"] * 2 and grid[1][0]["tokens_per_s"] == 0
+    assert [c["state"] for c in grid[0]] == ["training"] * 2
+
+    r = in_process(capsys, home, "status", rid, "--bootstrap", dht.visible_maddrs()[0])
+    assert r.returncode == 0 and f"run {rid}: running" in r.stdout, r.stdout + r.stderr
+    assert "reason: replica 1 dropped out: node" in r.stdout, r.stdout
+    rows = {ln.split()[0]: ln for ln in r.stdout.splitlines() if rid in ln and not ln.startswith("run ")}
+    assert "dropped out" in rows[nodes[(1, 0)].peer_id[-8:]], rows
+    assert "training" in rows[nodes[(0, 1)].peer_id[-8:]], rows
+
+    board = Dashboard(coord, "127.0.0.1", 0)
+    try:
+        dom = chromium(
+            f"http://127.0.0.1:{board.port}/?run={rid}", "--virtual-time-budget=3000", "--dump-dom"
+        )
+    finally:
+        board.close()
+    assert re.search(r'<div id="run-reason">running: replica 1 dropped out: node', dom), dom[:3000]
+    cells = re.findall(r'<td class="cell dropped"[^>]*>([^<]*)</td>', dom)
+    assert len(cells) == 2 and "dropped out at step 40" in cells[0], cells
+    xs, ys = plot_ticks(dom, "plot-tps")
+    assert xs[:3] == ["0s", "30s", "1m"] and len(xs) >= 4, xs
+    assert ys[:4] == ["0", "1,000", "2,000", "3,000"], ys
+    xs, ys = plot_ticks(dom, "plot-bytes")
+    assert ys[-1] == "150" and len(ys) >= 3, ys

@@ -5,6 +5,7 @@ from __future__ import annotations
 import dataclasses
 import json
 import math
+from collections.abc import Sequence
 from pathlib import Path
 
 import pytest
@@ -209,11 +210,56 @@ def test_layers_follow_speed_and_respect_memory() -> None:
     with pytest.raises(ValueError, match="use more stages"):
         balance_layers(MODELS["72b"], [989.0] * 2, [80.0] * 2)
     hosts = [dataclasses.replace(h, memory_gb=80.0) for h in _hosts(48)]
-    assert auto_stages(shape, hosts) == 4  # 27 B/param; without overlap (tau = 0, 26 B/param) 3 stages hold
-    assert auto_stages(shape, hosts, RunSettings(tau=0)) == 3
-    # the state fits, activations without recomputation do not: a warning names the stage and the figures
+    # issue 19: the default stage count is the fewest whose stages fit all they hold, the activations of
+    # the microbatches in flight included: 5 here (the state alone fits 4)
+    S = auto_stages(shape, hosts)
+    layout = naive_layout(shape, hosts, 48 // S, S)
+    assert S == 5 and not _memory_warnings(predict(shape, layout, RunSettings()).warnings)
+    # asked for 4: the state fits, the activations without recomputation do not; a warning names the
+    # stage and the figures
     p = predict(shape, naive_layout(shape, hosts, 12, 4), RunSettings())
     assert any("with activations" in w and "stage 0 needs" in w for w in p.warnings)
+    # activations that fit no stage count (8 sequences a microbatch): the fewest stages the state fits,
+    # 27 B/param; without overlap (tau = 0, 26 B/param) 3 stages hold
+    assert auto_stages(shape, hosts, RunSettings(microbatch_size=8)) == 4
+    assert auto_stages(shape, hosts, RunSettings(microbatch_size=8, tau=0)) == 3
+
+
+def _memory_warnings(warnings: Sequence[str]) -> list[str]:
+    return [w for w in warnings if "memory" in w]
+
+
+def test_the_readme_plan_fits_memory_at_the_fewest_stages(capsys: pytest.CaptureFixture[str]) -> None:
+    """Issue 19: the README's `plan --model 8b --pool docs/examples/pool_8b.toml` predicted a layout whose
+    stage 0 needed 106.1 of 80 GB, though its help says the default is the fewest stages that fit."""
+    argv = ["plan", "--model", "8b", "--pool", str(EXAMPLES / "pool_8b.toml")]
+    assert plan_main([*argv, "--json"]) == 0
+    auto = json.loads(capsys.readouterr().out)
+    S = auto["stages"]
+    assert not _memory_warnings(auto["prediction"]["warnings"]), auto["prediction"]
+    assert plan_main([*argv, "--stages", str(S - 1), "--json"]) == 0  # one fewer does not fit
+    fewer = json.loads(capsys.readouterr().out)
+    assert _memory_warnings(fewer["prediction"]["warnings"])
+    assert plan_main(argv) == 0
+    report = capsys.readouterr().out
+    assert f"x {S} stages" in report and " GB" not in report, report
+
+
+def test_plan_names_its_devices_and_counts_in_words(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """Issue 19: `plan --accelerator cpu` printed "1 stages on 4 GPUs"."""
+    pool = tmp_path / "cpus.toml"  # a measured peak: no matmul timed here
+    pool.write_text(
+        '[[hosts]]\nname = "laptops"\naccelerator = "cpu"\ntflops = 0.2\ncount = 4\nusd_per_gpu_hour = 0.1\n'
+        "link_mbps = 100\nrtt_ms = 5\nstore_mbps = 100\n"
+    )
+    assert plan_main(["plan", "--model", "tiny", "--pool", str(pool)]) == 0
+    assert "topology   4 replicas x 1 stage on 4 CPUs (0 hosts unused)" in capsys.readouterr().out
+    assert (
+        plan_main(["plan", "--model", "tiny", "--gpus", "3", "--stages", "2", "--usd-per-gpu-hour", "1"]) == 0
+    )
+    assert "topology   1 replica x 2 stages on 2 GPUs (1 host unused)" in capsys.readouterr().out
 
 
 def test_layout_rejects_inconsistent_split() -> None:
@@ -324,3 +370,56 @@ def test_each_replicas_store_links_are_checked_against_the_fragment_schedule() -
     assert "raise tau, H or P" in notes[0]
     ok = predict(UNIFORM, Layout(replicas=(tuple(fast), tuple(_hosts(2))), layers=(4, 4)), settings)
     assert not [w for w in ok.warnings if "fragment takes" in w], ok.warnings
+
+
+def test_a_link_that_costs_the_step_nothing_is_not_warned_about() -> None:
+    """Issue 19: on the local swarm's 9.7 Gbit/s loopback the coordinator warned "1 of 2 link messages add
+    to the step": the schedule hides all but 4 of the link's 55 us transfers, 0.2 ms of a 0.26 s step. A
+    link is named only when it costs more than LINK_WARN_SHARE of its replica's step."""
+    from coordinator.placement import CostModel, Placement, predict_placement
+    from coordinator.planner import LINK_WARN_SHARE
+    from protocol.messages import NodeAdvert
+    from protocol.runspec import ModelSpec, PipelineSpec, RunSpec, TrainSpec
+
+    spec = RunSpec(  # crucible-swarm's default run
+        run_id="links",
+        replicas=2,
+        stages=2,
+        model=ModelSpec(d_model=256, n_layers=4, n_heads=4, d_ff=688, seq_len=256),
+        train=TrainSpec(total_steps=240, batch_size=8, microbatches=4),
+        pipeline=PipelineSpec(link_k=[32]),
+    )
+    peers = ["a", "b", "c", "d"]
+    pl = Placement({(0, 0): "a", (0, 1): "b", (1, 0): "c", (1, 1): "d"})
+
+    def adverts(mbps: float, ref_block_s: tuple[float, ...]) -> dict[str, NodeAdvert]:
+        return {
+            q: NodeAdvert(
+                peer_id=q,
+                version="test",
+                device="cpu",
+                memory_gb=16.0,
+                tflops=0.1,
+                ref_block="cpu-d256",
+                ref_block_s=ref_block_s[i],
+                price_per_hour=0.10,
+                host="127.0.0.1",
+                port=1,
+                health_port=2,
+                store_mbps=900.0,
+                peer_mbps={o: mbps for o in peers if o != q},
+                peer_rtt_ms={o: 0.05 for o in peers if o != q},
+            )
+            for i, q in enumerate(peers)
+        }
+
+    speeds = (0.01, 0.04, 0.012, 0.011)  # replica 0's stage 1 four times slower than the others
+    p = predict_placement(pl, adverts(9700.0, speeds), CostModel.from_spec(spec))
+    late = [ln for ln in p.links if not ln.hidden]
+    assert late and all(0 < ln.added_s < LINK_WARN_SHARE * p.step_s[ln.replica] for ln in late)
+    assert not any("link messages" in w for w in p.warnings), p.warnings
+    # dense messages on a 20 Mbit/s link cost a real share of the step: named, with that share
+    dense = dataclasses.replace(spec, pipeline=PipelineSpec(link_k=[256]))
+    slow = predict_placement(pl, adverts(20.0, speeds), CostModel.from_spec(dense))
+    warned = [w for w in slow.warnings if "link messages add to the step" in w]
+    assert len(warned) == 1 and "2 of 2" in warned[0] and "% of it; k down to 256" in warned[0], slow.warnings

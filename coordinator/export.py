@@ -38,6 +38,7 @@ import torch
 from safetensors.torch import save_file
 
 from protocol import keys
+from protocol.assignment_archive import read_archive
 from protocol.checkpoint import CheckpointRefused, list_rounds, read_round
 from protocol.delegation import OperatorTrust
 from protocol.envelope import open_envelope
@@ -259,8 +260,6 @@ def consensus_states(
     operator's coordinators assigned to the run (the archived assignments, earlier nodes included).
     Any replica's checkpoint of a stage will do: the anchors are the same. Raises ValueError naming what
     is missing."""
-    from coordinator.service import read_archive  # the coordinator's reading of its own archive
-
     blob = store.get(keys.spec_key(run_id), max_bytes=1 << 20)
     if blob is None:
         raise ValueError(f"no run {run_id!r} in the store (no {keys.spec_key(run_id)}); check the run id")

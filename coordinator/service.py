@@ -11,8 +11,6 @@ import time
 from collections import Counter
 from dataclasses import dataclass, field, replace
 
-import msgpack
-
 from coordinator.lease import HeldLease, renew, try_acquire
 from coordinator.lease import launch as launch  # where it lived: callers (tests) import it from here
 from coordinator.placement import (
@@ -29,10 +27,11 @@ from coordinator.placement import (
 from coordinator.run_figures import History, prediction_view, sample
 from coordinator.run_views import dropped_out_reason, node_view, run_view
 from protocol import keys
+from protocol.assignment_archive import encode_archive, read_archive
 from protocol.checkpoint import list_rounds
 from protocol.delegation import OperatorTrust, RefusalLog, Untrusted
 from protocol.dht_client import DHTClient, dht_time
-from protocol.envelope import open_envelope, seal
+from protocol.envelope import seal
 from protocol.identity import Identity
 from protocol.messages import (
     MAX_FORMER_PEERS,
@@ -43,8 +42,6 @@ from protocol.messages import (
     RunControl,
     RunRecord,
 )
-from protocol.msgpack_limits import unpack_bounded
-from protocol.runspec import RunSpec
 from protocol.schema import ProtocolError
 from protocol.store import ObjectStore, StoreError
 
@@ -53,7 +50,6 @@ ACTIVE = ("pending", "running", "stopping")
 MAX_REBUILDS_AFTER_FAILURE = 1
 """A replica whose node reports failed is restarted this many times; then it drops out (a bad data path
 fails the same way every time)."""
-MAX_ARCHIVE_BYTES = 64 * 1024 * 1024  # a run's signed assignments: a few KB per node
 
 
 @dataclass
@@ -325,7 +321,7 @@ class Coordinator:
         """Archive the run's assignments in the store (a successor adopts them from there), then publish
         each under its node's DHT key."""
         spec = run.record.spec
-        blob = msgpack.packb([seal(self.identity, a) for a in run.assignments.values()])
+        blob = encode_archive(self.identity, list(run.assignments.values()))
         try:
             self.store.put(keys.assign_key(spec.run_id, run.lease.lease.term, run.epoch), blob)
             self.store.put(keys.spec_key(spec.run_id), seal(self.identity, run.record))
@@ -686,36 +682,3 @@ class Coordinator:
                 self.events["tick_failures"] += 1
                 log.warning("coordinator tick failed (will retry): %s", e)
             self.stop_event.wait(self.tick_s)
-
-
-def read_archive(
-    store: ObjectStore, spec: RunSpec, trusted: OperatorTrust | set[bytes], *, as_issued: bool = False
-) -> list[Assignment] | None:
-    """The run's assignments in the newest archive its coordinators wrote ({run}/assign/{term}-{epoch},
-    each signed by the operator or a coordinator it certified for the run); None if there is none or it
-    cannot be read (logged). as_issued: check each certificate at the assignment's issued_at instead of
-    now (export reads a finished run, whose coordinators' certificates may have expired since)."""
-    rid = spec.run_id
-    trust = OperatorTrust.of(trusted)
-    try:
-        archived = sorted(store.list(f"{rid}/assign/"))
-        blob = store.get(archived[-1], max_bytes=MAX_ARCHIVE_BYTES) if archived else None
-        if blob is None:
-            return None
-        # a list of envelopes, at least 1 KB each: 65,536 fill MAX_ARCHIVE_BYTES
-        envelopes = unpack_bounded(
-            blob, "assignment archive", max_bytes=MAX_ARCHIVE_BYTES, max_values=1 << 16, max_depth=1
-        )
-        if not isinstance(envelopes, list):
-            raise ProtocolError("the assignment archive is not a list of envelopes")
-        found = []
-        for e in envelopes:
-            signed = open_envelope(e, Assignment)
-            found.append(trust.admit(signed, signed.body.issued_at if as_issued else None).body)
-    except (StoreError, ProtocolError, ValueError, msgpack.UnpackException) as e:
-        log.warning("run %s: cannot read the assignment archive (%s)", rid, e)
-        return None
-    mine = [a for a in found if a.run_id == rid and a.spec == spec]
-    if not mine:
-        log.warning("run %s: the assignment archive holds no assignment of this run", rid)
-    return mine or None

@@ -29,9 +29,9 @@ from node.probe import device_name, measure_reference_block, measure_store_mbps,
 from node.transport import LinkError, Shaper, listen
 from node.worker import LN2, StageWorker, WorkerMetrics
 from protocol import keys
+from protocol.assignment_archive import MAX_ARCHIVE_BYTES, archive_slot, decode_archive
 from protocol.delegation import OperatorTrust, RefusalLog
 from protocol.dht_client import DHTClient, dht_time
-from protocol.envelope import open_envelope
 from protocol.identity import Identity, public_key_of_peer_id
 from protocol.memory import GB, fits, stage_memory
 from protocol.messages import (
@@ -44,7 +44,6 @@ from protocol.messages import (
     RunRecord,
 )
 from protocol.metrics import render
-from protocol.msgpack_limits import unpack_bounded
 from protocol.schema import ProtocolError, check_range
 from protocol.store import ObjectStore, StoreConfig, StoreError
 
@@ -58,8 +57,6 @@ ENDED = ("stopping", "stopped", "done", "failed")
 ARCHIVE_READS = 4
 """Newer assignment archives read at most to judge one assignment: junk a store writer planted under
 archive names costs a few GETs and supersedes nothing (only what a trusted key signed counts)."""
-MAX_ARCHIVE_BYTES = 64 * 1024 * 1024
-"""A run's archived assignments, a few KB per node (the bound coordinator/service.py writes within)."""
 MAX_JUDGED = 1024
 """Stale assignments remembered (then forgotten all at once, and judged again if still published)."""
 
@@ -199,18 +196,6 @@ def _same_slot(a: Assignment, b: Assignment) -> bool:
     )
 
 
-def archive_slot(run_id: str, key: str) -> tuple[int, int] | None:
-    """(term, epoch) of an assignment archive's store key, `{run}/assign/{term}-{epoch}` (protocol/keys.py),
-    or None for any other name."""
-    prefix = f"{run_id}/assign/"
-    term, sep, epoch = key.removeprefix(prefix).partition("-")
-    if not (key.startswith(prefix) and sep and term.isdecimal() and epoch.isdecimal()):
-        return None
-    if len(term) > 19 or len(epoch) > 19:  # beyond MAX_COUNT: nobody's term
-        return None
-    return int(term), int(epoch)
-
-
 class AssignmentSource:
     """Which of this node's signed assignments in the DHT it may act on.
 
@@ -284,16 +269,11 @@ class AssignmentSource:
                 blob = self.store.get(key, max_bytes=MAX_ARCHIVE_BYTES)
                 if blob is None:
                     continue
-                envelopes = unpack_bounded(
-                    blob, "assignment archive", max_bytes=MAX_ARCHIVE_BYTES, max_values=1 << 16, max_depth=1
-                )
-                if not isinstance(envelopes, list):
-                    raise ProtocolError("the assignment archive is not a list of envelopes")
-                slots = []
-                for e in envelopes:
-                    b = self.trust.admit(open_envelope(e, Assignment)).body
-                    if b.run_id == a.run_id and (b.term, b.epoch) > (a.term, a.epoch):
-                        slots.append((b.term, b.epoch))
+                slots = [
+                    (b.term, b.epoch)
+                    for b in decode_archive(blob, self.trust)
+                    if b.run_id == a.run_id and (b.term, b.epoch) > (a.term, a.epoch)
+                ]
             except (StoreError, ProtocolError, ValueError) as e:  # ValueError: a bad signature
                 log.info("run %s: ignoring assignment archive %s: %s", a.run_id, key, e)
                 continue

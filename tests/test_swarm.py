@@ -15,11 +15,11 @@ from pathlib import Path
 import pytest
 import torch
 
-from coordinator.export import consensus_states
+from coordinator.export import consensus_states, export_llama
 from node.model import build_stage
 from node.outer_sync import FragmentId
 from node.sparseloco_sync import SparseLoCoCodec
-from node.subspace_model import constrain_stage
+from node.subspace_model import constrain_stage, off_subspace
 from node.worker import weights_digest
 from protocol import keys
 from protocol.dht_client import DHTClient, dht_time
@@ -403,10 +403,11 @@ def test_sparseloco_bytes_per_round_and_corrupted_fragments_in_the_store(
     both end with identical weights."""
     run_id, H, rounds = "swarm-sl", 5, 14  # P = 1: one fragment per stage and round
     toml = tmp_path / "run.toml"
-    toml.write_text(
+    toml.write_text(  # a k = d/8 subspace link, as the default run's
         RUN_TOML.format(run_id=run_id, steps=H * rounds, H=H, timeout=60).replace(
             'method = "diloco"', 'method = "sparseloco"'
         )
+        + "[pipeline]\nlink_k = [8]\n"
     )
     spec = load_run_spec(toml)
     cfg = SparseLoCoConfig(chunk=spec.sync.chunk, k=spec.sync.k, beta=spec.sync.beta)
@@ -463,6 +464,26 @@ def test_sparseloco_bytes_per_round_and_corrupted_fragments_in_the_store(
     for i in slots.values():
         with urllib.request.urlopen(f"{swarm.health[i]}/health", timeout=5) as r:
             assert json.load(r)["status"] == "ok"
+
+    # issue 19: with SparseLoCo and a k < d link the consensus stays in span(U), so it exports, and the
+    # export is the model that trained (the export refused every such run before)
+    spec, rnd, states = consensus_states(store, run_id, {swarm.operator.public_key})
+    assert rnd == rounds
+    out = tmp_path / "hf"
+    export_llama(spec, states, out, origin=f"round {rnd} of run {run_id}")
+    stages = []
+    for st, state in enumerate(states):
+        stage = build_stage(spec.model, ranges, st)
+        constrain_stage(stage, spec.model, spec.pipeline, ranges, st)
+        stage.load_state_dict(state)
+        assert off_subspace(stage) < 1e-5  # the live weights are this projected: the same to ~1e-7
+        stages.append(stage.eval())
+    tokens = sample_tokens(spec)
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setenv("HF_HUB_OFFLINE", "1")
+        mp.setenv("TRANSFORMERS_OFFLINE", "1")
+        diff = (hf_logits(out, tokens) - pipeline_logits(spec, stages, tokens)).abs().max().item()
+    assert diff <= 1e-4, diff
 
 
 def test_bad_input_is_rejected_and_node_keeps_running(swarm: Swarm) -> None:

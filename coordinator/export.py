@@ -37,13 +37,12 @@ from pathlib import Path
 import torch
 from safetensors.torch import save_file
 
+from coordinator.lease import stored_record
 from protocol import keys
 from protocol.assignment_archive import read_archive
 from protocol.checkpoint import CheckpointRefused, list_rounds, read_round
 from protocol.delegation import OperatorTrust
-from protocol.envelope import open_envelope
 from protocol.identity import public_key_of_peer_id
-from protocol.messages import RunRecord
 from protocol.runspec import RunSpec
 from protocol.store import ObjectStore
 from protocol.subspace import basis, subspace_plan, token_table
@@ -260,14 +259,13 @@ def consensus_states(
     operator's coordinators assigned to the run (the archived assignments, earlier nodes included).
     Any replica's checkpoint of a stage will do: the anchors are the same. Raises ValueError naming what
     is missing."""
-    blob = store.get(keys.spec_key(run_id), max_bytes=1 << 20)
-    if blob is None:
-        raise ValueError(f"no run {run_id!r} in the store (no {keys.spec_key(run_id)}); check the run id")
     # the operator's own signature or a coordinator it certified, as of when it was signed (the run may
     # have ended after the coordinators' certificates expired)
     trust = OperatorTrust.of(operator)
-    signed = open_envelope(blob, RunRecord)
-    spec = trust.admit(signed, signed.body.updated).body.spec
+    record = stored_record(store, run_id, trust)
+    if record is None:
+        raise ValueError(f"no run {run_id!r} in the store (no {keys.spec_key(run_id)}); check the run id")
+    spec = record.spec
     assigned = read_archive(store, spec, trust, as_issued=True) or []
     peers = {a.peer_id for a in assigned} | {
         p for a in assigned for ps in a.former_stage_peers.values() for p in ps

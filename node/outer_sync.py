@@ -10,18 +10,9 @@ fragment f is captured at inner step c_f = (f+1) q of each H-step cycle and appl
     theta(a_f)  <- theta_anchor + (theta(a_f) - theta(c_f))   # keep the tau steps of local drift
 
 Upload and fetch run on a background I/O thread while training goes on for tau steps; applying blocks
-only for what is still in flight, and that wait is recorded.
-
-Fragment keys are write-once (conditional PUT, If-None-Match): every reader of a key sees the same bytes,
-so an object cannot be swapped between two replicas' reads. If our key already holds other bytes
-(a faulty writer got there first, or our own upload from before a restart), we treat our slot exactly
-as every other replica does: use those bytes if they validate against this slot's signer, leave the
-slot out if not. The consensus stays identical, and our unused contribution goes back to the codec
-(SparseLoCo's error feedback sends it in a later round). A store that does not answer is retried
-until the round's deadline.
-
-Waiting for the other replicas GETs keys every reader can compute (the round record, each signer's
-primary fragment key) with exponential backoff, and LISTs the round rarely (`OuterSync._listing`).
+only for what is still in flight, and that wait is recorded. Which fragments a round applies is agreed by
+the round exchange (node/round_exchange.py `RoundExchange`), which this owner holds: it puts ours, waits
+for the others' and returns the set every replica applies.
 """
 
 from __future__ import annotations
@@ -32,89 +23,26 @@ import threading
 import time
 from collections.abc import Callable
 from concurrent.futures import Future, ThreadPoolExecutor
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Protocol
 
 import torch
 
 from node.aggregation import mean_over_arrivals
+from node.round_exchange import (
+    Encoding,
+    Exchanged,
+    FragmentCodec,
+    FragmentId,
+    RoundAgreementError,
+    RoundExchange,
+    SyncStats,
+)
 from node.stage_checkpoints import StageCheckpoints
-from protocol import keys
 from protocol.checkpoint import Checkpoint
-from protocol.envelope import open_envelope, seal
-from protocol.identity import Identity
-from protocol.messages import RecordEntry, RoundRecord
-from protocol.schema import ProtocolError
-from protocol.store import ObjectStore, ObjectTooLarge, StoreError
+from protocol.store import ObjectStore
 
 log = logging.getLogger(__name__)
-
-MAX_RECORD_BYTES = 1 << 20
-"""A round record lists at most one entry (~130 bytes) per replica."""
-
-
-class RoundAgreementError(RuntimeError):
-    """The round's agreed set cannot be applied here (a listed fragment stayed out of reach)."""
-
-
-@dataclass(frozen=True)
-class FragmentId:
-    run_id: str
-    stage: int
-    fragment: int
-    round: int
-    replica: int
-
-
-Encoding = Callable[[], tuple[bytes, list[torch.Tensor]]]
-"""The host half of an encode: () -> (signed wire bytes, the contribution exactly as receivers decode it,
-as float32 CPU tensors). OuterSync runs it on its I/O thread, so entropy coding and signing overlap training."""
-
-
-class FragmentCodec(Protocol):
-    """Turns a fragment's pseudo-gradient into signed wire bytes and back."""
-
-    def encode(self, fid: FragmentId, delta: list[torch.Tensor]) -> Encoding:
-        """Run what must happen before training moves on (e.g. error feedback, on delta's device) and
-        return the rest as an `Encoding` for the I/O thread."""
-        ...
-
-    def decode(
-        self, fid: FragmentId, data: bytes, shapes: list[torch.Size], signer: str
-    ) -> list[torch.Tensor]:
-        """Validate (signature by `signer`, header, shapes, finiteness) and decode; raise ProtocolError."""
-        ...
-
-    def restore(self, fid: FragmentId, unsent: list[torch.Tensor]) -> None:
-        """Our upload of `fid` did not land: keep `unsent` (what encode returned) for a later round."""
-        ...
-
-    def residual(self, fragment: int) -> list[torch.Tensor]:
-        """What the codec carries into `fragment`'s next encode, one tensor per parameter of the fragment
-        (SparseLoCo: its error feedback), for the round owner to confine; [] if nothing (yet)."""
-        ...
-
-    identity: Identity
-    """Signs our fragments and the round records we write."""
-
-    def state(self) -> dict[str, torch.Tensor]:
-        """What the codec carries between rounds (SparseLoCo: error feedback), for checkpoints."""
-        ...
-
-    def load_state(self, state: dict[str, torch.Tensor]) -> None:
-        """Restore `state()` (tensors on the CPU; the codec moves them where it works)."""
-        ...
-
-    @property
-    def signer(self) -> str:
-        """Peer id of the identity that signs our fragments."""
-        ...
-
-    @property
-    def max_fragment_bytes(self) -> int:
-        """The largest object a valid fragment can be: anything bigger at a fragment key is not fetched."""
-        ...
-
 
 Aggregator = Callable[[dict[int, list[torch.Tensor]]], list[torch.Tensor]]
 
@@ -139,70 +67,11 @@ checkpoint's anchor is projected on restore, identically on every replica)."""
 
 
 @dataclass
-class _Exchanged:
-    contribs: dict[int, list[torch.Tensor]]
-    """Replica -> decoded contribution; for our slot, whatever every replica reads at our key."""
-    unsent: list[torch.Tensor] | None
-    """Our contribution when the round did not use it (handed back to the codec at apply time)."""
-
-
-TOO_LARGE = "too large"
-"""What `_Gathered.seen` notes for a key whose object was refused by its size (no digest was taken)."""
-
-
-@dataclass
-class _Gathered:
-    """One replica's view of one round's fragments while it gathers them."""
-
-    contribs: dict[int, list[torch.Tensor]] = field(default_factory=dict)
-    """Replica -> decoded contribution."""
-    used: dict[int, tuple[str, str]] = field(default_factory=dict)
-    """Replica -> (signer, sha256) of what contribs holds."""
-    bad: set[str] = field(default_factory=set)
-    """Keys that held no valid fragment of their slot: never read again."""
-    seen: dict[str, str] = field(default_factory=dict)
-    """Key -> sha256 of the bytes it held when read (or TOO_LARGE); keys are written once, so it stays so."""
-
-
-class _Backoff:
-    """The wait between two polls of the store: first_s, doubled after each poll up to cap_s, never past
-    the deadline; back to first_s when something arrived (the replicas' uploads come close together)."""
-
-    def __init__(self, first_s: float, cap_s: float) -> None:
-        self.first_s, self.cap_s, self.delay_s = first_s, cap_s, first_s
-
-    def reset(self) -> None:
-        self.delay_s = self.first_s
-
-    def wait(self, deadline: float) -> None:
-        time.sleep(max(0.0, min(self.delay_s, deadline - time.monotonic())))
-        self.delay_s = min(2 * self.delay_s, self.cap_s)
-
-
-@dataclass
 class _Pending:
     fid: FragmentId
     theta_at_capture: list[torch.Tensor]
-    future: Future[_Exchanged]
+    future: Future[Exchanged]
     apply_step: int
-
-
-@dataclass
-class SyncStats:
-    rounds_applied: int = 0
-    bytes_up: int = 0
-    bytes_down: int = 0
-    wait_s: float = 0.0
-    """Training time blocked waiting for transfers still in flight at apply time."""
-    rejected: int = 0
-    """Fragments that failed validation and were dropped."""
-    missing: int = 0
-    """Expected fragments that had not arrived by the deadline."""
-    not_uploaded: int = 0
-    """Our fragments that did not land (store error, or the key already held other bytes)."""
-    last_contributors: list[int] = field(default_factory=list)
-    bytes_records: int = 0
-    """Round records we wrote (a few hundred bytes per round and fragment; not in bytes_up)."""
 
 
 @dataclass
@@ -274,10 +143,7 @@ class OuterSync:
         self.params = params
         self.store, self.codec = store, codec
         self.run_id, self.stage, self.replica = run_id, stage, replica
-        self.stage_peers = dict(stage_peers)
-        self.former: dict[int, set[str]] = {r: set(v) for r, v in (former_stage_peers or {}).items()}
         self.H, self.P, self.tau, self.alpha, self.momentum = H, P, tau, alpha, momentum
-        self.timeout_s, self.poll_s, self.poll_max_s = timeout_s, poll_s, poll_max_s
         self.aggregate = aggregate
         self.local, self.checkpoints, self.checkpoint_every = local, checkpoints, checkpoint_every
         self.confine = confine
@@ -290,6 +156,18 @@ class OuterSync:
         self._pending: list[_Pending] = []
         self._io = ThreadPoolExecutor(max_workers=2, thread_name_prefix="outer-io")
         self._lock = threading.Lock()
+        self.exchange = RoundExchange(
+            store,
+            codec,
+            replica=replica,
+            stage_peers=stage_peers,
+            former_stage_peers=former_stage_peers,
+            timeout_s=timeout_s,
+            poll_s=poll_s,
+            poll_max_s=poll_max_s,
+            stats=self.stats,
+            lock=self._lock,
+        )
 
     # --- schedule ---------------------------------------------------------------------------------
     def capture_offset(self, f: int) -> int:
@@ -420,409 +298,15 @@ class OuterSync:
         fid = FragmentId(self.run_id, self.stage, f, rnd, self.replica)
         encoding = self.codec.encode(fid, delta)
         shapes = [self.params[i].shape for i in idx]
-        fut = self._io.submit(self._exchange, fid, encoding, shapes)
+        fut = self._io.submit(self.exchange.run, fid, encoding, shapes)
         self._pending.append(_Pending(fid, theta, fut, step + self.tau))
 
-    def _put_once(self, key: str, data: bytes) -> tuple[bool | None, bytes | None]:
-        """Write-once PUT of our fragment: (True, None) if the key holds our bytes, (False, what it holds)
-        if it holds other bytes, (None, None) if the store did not answer (try again later)."""
-        try:
-            if self.store.put_if_absent(key, data) is not None:
-                self._count(up=len(data))
-                return True, None
-        except StoreError as e:
-            log.debug("upload of %s failed (retrying until the round's deadline): %s", key, e)
-        try:  # refused, or a PUT whose reply was lost: what does the key hold now?
-            stored = self.store.get(key, max_bytes=self.codec.max_fragment_bytes)
-        except ObjectTooLarge as e:  # somebody else's oversized object: no valid fragment of ours
-            log.warning("our fragment key %s: %s", key, e)
-            return False, b""
-        except StoreError:
-            return None, None
-        if stored is None:
-            return None, None
-        return (True, None) if stored == data else (False, stored)
-
-    # --- who may sign a slot -----------------------------------------------------------------------
     def set_stage_peers(self, stage_peers: dict[int, str], former: dict[int, set[str]] | None = None) -> None:
-        """The signers of this stage's slots changed (a replica was rebuilt with a new node, or dropped out
-        and is no longer waited for): the old signer of a slot stays known for the rounds it signed
-        (round records may list its fragments)."""
-        known = {r: set(v) for r, v in self.former.items()}
-        for r, old in self.stage_peers.items():
-            if stage_peers.get(r) != old:
-                known.setdefault(r, set()).add(old)
-        for r, peers in (former or {}).items():
-            known.setdefault(r, set()).update(peers)
-        self.former = known
-        self.stage_peers = dict(stage_peers)
+        """The signers of this stage's slots changed (a replica rebuilt with a new node, or dropped out):
+        the exchange trusts them from now on, and so do the checkpoints."""
+        known = self.exchange.set_stage_peers(stage_peers, former)
         if self.checkpoints is not None:
-            self.checkpoints.trust([*stage_peers.values(), *(p for ps in known.values() for p in ps)])
-
-    def _signers(self, r: int) -> set[str]:
-        """Every signer whose fragments count for replica r's slot: its node now and the ones it replaced."""
-        now = self.codec.signer if r == self.replica else self.stage_peers.get(r)
-        return ({now} if now else set()) | self.former.get(r, set())
-
-    def _slots(self) -> set[int]:
-        return set(self.stage_peers) | {self.replica}
-
-    # --- the exchange -----------------------------------------------------------------------------
-    def _listing(self, fid: FragmentId) -> dict[int, list[str]] | None:
-        """Fragment keys of this round per replica, keeping only those named by a signer of the replica's
-        slot (anything else under the round is not looked at), each signer's primary key first; None if
-        the LIST was not answered.
-
-        R2 bills a LIST as a class A operation (12.5x a GET), so the exchange polls the primary keys with
-        GETs and lists the round only where no GET can name what is there: once when it starts (what our
-        slot holds before we upload; a fragment at a hash-named key from before we got here, written by a
-        signer whose primary key was taken or, in a round a resumed run replays, by a build before
-        primary keys), and while a missing slot's primary key holds something that is not its signer's
-        fragment (the real one is then at a hash-named key)."""
-        prefix = keys.sync_prefix(fid.run_id, fid.stage, fid.fragment, fid.round)
-        try:
-            listed = self.store.list(prefix)
-        except StoreError as e:
-            log.warning("listing %s failed (polling the primary keys meanwhile): %s", prefix, e)
-            return None
-        found: dict[int, list[tuple[str, bool, str]]] = {}
-        for key in listed:
-            parsed = keys.parse_sync_key(prefix, key)
-            if parsed is not None and parsed[1] in self._signers(parsed[0]):
-                found.setdefault(parsed[0], []).append((parsed[1], parsed[2] is not None, key))
-        return {r: [key for *_, key in sorted(ks)] for r, ks in found.items()}
-
-    def _primary(self, fid: FragmentId, r: int, signer: str) -> str:
-        return keys.primary_fragment_key(fid.run_id, fid.stage, fid.fragment, fid.round, r, signer)
-
-    def _get_fragment(self, key: str, g: _Gathered) -> bytes | None:
-        """The bytes at `key`, refused (ObjectTooLarge) when larger than any valid fragment; None if absent
-        or the store did not answer (asked again at the next poll). Notes in g.seen what the key holds."""
-        try:
-            blob = self.store.get(key, max_bytes=self.codec.max_fragment_bytes)
-        except ObjectTooLarge:
-            g.seen[key] = TOO_LARGE
-            raise
-        except StoreError as e:  # transient (503, reset, timeout)
-            log.debug("fetch of %s failed (retrying until the round's deadline): %s", key, e)
-            return None
-        if blob is not None:
-            self._count(down=len(blob))
-            g.seen[key] = keys.content_digest(blob)
-        return blob
-
-    def _reject(self, fid: FragmentId, r: int, key: str, why: Exception, g: _Gathered) -> None:
-        g.bad.add(key)
-        with self._lock:
-            self.stats.rejected += 1
-        log.warning("rejected an object under replica %d's slot of %s (%s): %s", r, fid, key, why)
-
-    def _read_record(self, fid: FragmentId, seen_bad: set[bytes]) -> tuple[RoundRecord | None, bool]:
-        """(the round's agreed record if one is there and valid, whether any object is at its key).
-        A record counts when a signer of this stage's slots signed it for exactly this round and every
-        entry names a signer of its slot; an invalid one is logged once and read as absent."""
-        key = keys.round_record_key(fid.run_id, fid.stage, fid.fragment, fid.round)
-        try:
-            blob = self.store.get(key, max_bytes=MAX_RECORD_BYTES)
-        except ObjectTooLarge as e:
-            self._reject_record(fid, str(e), seen_bad, b"too large")
-            return None, True
-        except StoreError as e:
-            log.debug("reading %s failed (retrying): %s", key, e)
-            return None, False
-        if blob is None:
-            return None, False
-        try:
-            signed = open_envelope(blob, RoundRecord)
-            rec = signed.body
-            if not any(signed.signer_id in self._signers(r) for r in self._slots()):
-                raise ProtocolError(f"signed by {signed.signer_id}, not a node of this stage")
-            if (rec.run_id, rec.stage, rec.fragment, rec.round) != (
-                fid.run_id,
-                fid.stage,
-                fid.fragment,
-                fid.round,
-            ):
-                raise ProtocolError("it is the record of another round")
-            for entry in rec.entries:
-                if entry.signer not in self._signers(entry.replica):
-                    raise ProtocolError(
-                        f"it lists a fragment of replica {entry.replica} signed by {entry.signer}"
-                    )
-        except (ProtocolError, ValueError) as e:  # ValueError: a bad signature
-            self._reject_record(fid, str(e), seen_bad, blob)
-            return None, True
-        return rec, True
-
-    def _reject_record(self, fid: FragmentId, why: str, seen_bad: set[bytes], blob: bytes) -> None:
-        if blob not in seen_bad:
-            seen_bad.add(blob)
-            with self._lock:
-                self.stats.rejected += 1
-            log.warning(
-                "round %d fragment %d: the object at the round record's key is not valid: %s",
-                fid.round,
-                fid.fragment,
-                why,
-            )
-
-    def _settle(
-        self, fid: FragmentId, used: dict[int, tuple[str, str]], seen_bad: set[bytes]
-    ) -> RoundRecord | None:
-        """Write our view as the round's record (first writer wins) or adopt the one written first.
-        None: no valid record could be had before a second deadline (the key squatted, or the store
-        silent); the caller applies its own view."""
-        ours = RoundRecord(
-            run_id=fid.run_id,
-            stage=fid.stage,
-            fragment=fid.fragment,
-            round=fid.round,
-            entries=[RecordEntry(replica=r, signer=sg, digest=d) for r, (sg, d) in sorted(used.items())],
-        )
-        key = keys.round_record_key(fid.run_id, fid.stage, fid.fragment, fid.round)
-        blob = seal(self.codec.identity, ours)
-        deadline = time.monotonic() + self.timeout_s
-        backoff = _Backoff(self.poll_s, self.poll_max_s)
-        while True:
-            try:
-                if self.store.put_if_absent(key, blob) is not None:
-                    with self._lock:
-                        self.stats.bytes_records += len(blob)
-                    return ours
-            except StoreError as e:
-                log.debug("writing the round record %s failed (retrying): %s", key, e)
-            rec, present = self._read_record(fid, seen_bad)
-            if rec is not None:
-                return rec
-            if time.monotonic() > deadline or present:
-                if present:  # squatted: nobody can write a valid record there
-                    log.warning(
-                        "round %d fragment %d: no valid round record can be written; applying this "
-                        "replica's own view (replicas may differ for this round)",
-                        fid.round,
-                        fid.fragment,
-                    )
-                return None
-            backoff.wait(deadline)
-
-    def _follow(
-        self, fid: FragmentId, rec: RoundRecord, g: _Gathered, shapes: list[torch.Size]
-    ) -> dict[int, list[torch.Tensor]]:
-        """Exactly the record's set: what we hold already, the rest fetched where its signer put it (the
-        signer's primary key if it holds the listed bytes, else the key naming their hash). An entry
-        whose bytes are not a valid fragment is left out by every replica alike (all read the same
-        bytes); one the store will not give us before a second deadline fails the round."""
-        final: dict[int, list[torch.Tensor]] = {}
-        deadline = time.monotonic() + self.timeout_s
-        backoff = _Backoff(self.poll_s, self.poll_max_s)
-        for e in rec.entries:
-            if g.used.get(e.replica) == (e.signer, e.digest):
-                final[e.replica] = g.contribs[e.replica]
-                continue
-            other = FragmentId(fid.run_id, fid.stage, fid.fragment, fid.round, e.replica)
-            where = [
-                self._primary(fid, e.replica, e.signer),
-                keys.fragment_key(
-                    fid.run_id, fid.stage, fid.fragment, fid.round, e.replica, e.signer, e.digest
-                ),
-            ]
-            try:
-                while (blob := self._read_listed(where, e.digest, g)) is None:
-                    if time.monotonic() > deadline:
-                        raise RoundAgreementError(
-                            f"round {fid.round} fragment {fid.fragment}: the agreed record lists replica "
-                            f"{e.replica}'s fragment {e.digest}, which the store did not give us (at {where[0]} "
-                            f"or {where[1]}) within {self.timeout_s:.0f} s; this replica cannot apply the agreed set"
-                        )
-                    backoff.wait(deadline)
-                final[e.replica] = self.codec.decode(other, blob, shapes, e.signer)
-            except ProtocolError as err:
-                log.warning(
-                    "round %d: the record lists an invalid fragment of replica %d: %s",
-                    fid.round,
-                    e.replica,
-                    err,
-                )
-        return final
-
-    def _read_listed(self, where: list[str], digest: str, g: _Gathered) -> bytes | None:
-        """The bytes of sha256 `digest` from the first key of `where` that holds them; None if none does yet.
-        Raises ProtocolError where none can: each key held other bytes when read (keys are written once, so
-        they are not asked again), or those very bytes were rejected here."""
-        todo = [k for k in where if g.seen.get(k, digest) == digest]
-        if not todo or any(k in g.bad for k in todo):
-            raise ProtocolError("no key of its signer holds those bytes as a valid fragment")
-        for key in todo:
-            try:
-                blob = self._get_fragment(key, g)
-            except ObjectTooLarge:
-                continue
-            if blob is not None and g.seen[key] == digest:
-                return blob
-        return None
-
-    def _exchange(self, fid: FragmentId, encoding: Encoding, shapes: list[torch.Size]) -> _Exchanged:
-        """I/O thread: finish encoding ours, upload it, gather the other replicas' fragments until all
-        arrived or the deadline, then agree on the round's set through its write-once round record.
-
-        A slot is settled only by a valid fragment signed by a signer of the replica's slot, found at
-        that signer's primary key or at a key that names the signer and the fragment's hash. Anything
-        else under the round (a squatter's object, a truncated or forged one, one signed by a stranger) is
-        counted as rejected and never read again, and the slot stays open until the deadline: planting
-        garbage cannot empty a round. Our own slot is resolved like a peer's: if it already holds a valid
-        fragment of ours (uploaded before a restart), every replica may have used that one, so we use it
-        too and do not upload a second.
-
-        Whoever settles first (every slot in, or its deadline) writes the set it holds as the round's
-        record; every replica that finds a record applies exactly that set, fetching what it lacks, so
-        replicas with different deadlines or a late, rebuilt one apply the same set."""
-        data, own = encoding()
-        me = fid.replica
-        own_digest = keys.content_digest(data)
-        g = _Gathered()
-        bad_records: set[bytes] = set()
-        started = time.monotonic()
-        deadline = started + self.timeout_s
-        expected = self._slots()  # a replica that drops out while we wait still missed this round
-        backoff = _Backoff(self.poll_s, self.poll_max_s)
-        listed = False
-        rec: RoundRecord | None = None
-        while True:
-            rec, _ = self._read_record(fid, bad_records)
-            if rec is not None:
-                break
-            waiting = sorted(self._slots() - set(g.contribs))
-            squatted = any(
-                self._primary(fid, r, sg) in g.bad for r in waiting if r != me for sg in self._signers(r)
-            )
-            found = self._listing(fid) if not listed or squatted else None
-            listed = listed or found is not None
-            arrived = False
-            for r in waiting:
-                if found is not None:
-                    candidates = found.get(r, [])
-                else:  # our slot is not polled: we put ours there
-                    candidates = (
-                        [] if r == me else [self._primary(fid, r, s) for s in sorted(self._signers(r))]
-                    )
-                arrived |= self._take(fid, r, candidates, shapes, g, (own, own_digest))
-                if r == me and me not in g.contribs:
-                    self._put_ours(fid, data, (own, own_digest), shapes, g)
-            if not self._slots() - set(g.contribs) or time.monotonic() > deadline:
-                rec = self._settle(fid, g.used, bad_records)
-                break
-            if arrived:
-                backoff.reset()
-            backoff.wait(deadline)
-        contribs = g.contribs if rec is None else self._follow(fid, rec, g, shapes)
-        ours_used = contribs.get(me) is own
-        if not ours_used:
-            with self._lock:
-                self.stats.not_uploaded += 1
-            own_key = keys.fragment_key(
-                fid.run_id, fid.stage, fid.fragment, fid.round, me, self.codec.signer, own_digest
-            )
-            why_not_ours = (
-                "the round's agreed record, written by the replica that settled it first, does not list it"
-                if rec is not None and me not in contribs
-                else "a valid fragment of this slot was already in the store (from before a restart)"
-                if me in contribs
-                else "our fragment's key already held other bytes"  # only someone who knew our bytes
-                if own_key in g.bad
-                else "the object store did not answer before the deadline"
-            )
-            log.warning(
-                "our fragment %s was not used: %s; it stays in error feedback for a later round",
-                fid,
-                why_not_ours,
-            )
-        missing = (expected | self._slots()) - set(contribs) - {me}
-        if missing:
-            with self._lock:
-                self.stats.missing += len(missing)
-            gone = missing - self._slots()
-            log.warning(
-                "run %s stage %d round %d fragment %d: replicas %s did not arrive %s; aggregating %s",
-                fid.run_id,
-                fid.stage,
-                fid.round,
-                fid.fragment,
-                sorted(missing),
-                f"(dropped out after {time.monotonic() - started:.1f} s)"
-                if gone == missing
-                else f"within {self.timeout_s:.0f} s",
-                sorted(contribs),
-            )
-        return _Exchanged(contribs, None if ours_used else own)
-
-    def _take(
-        self,
-        fid: FragmentId,
-        r: int,
-        candidates: list[str],
-        shapes: list[torch.Size],
-        g: _Gathered,
-        ours: tuple[list[torch.Tensor], str],
-    ) -> bool:
-        """Settle slot r in g with the first of `candidates` that holds a valid fragment of it: its bytes
-        verify against the signer the key names (a signer of the slot) and, at a key naming a hash, match
-        that hash. Each invalid object met before is rejected, once. True if it settled the slot. In our
-        slot, our own bytes (a PUT whose reply was lost, a replay) are `ours`, (contribution, sha256)."""
-        other = FragmentId(fid.run_id, fid.stage, fid.fragment, fid.round, r)
-        for key in (k for k in candidates if k not in g.bad):
-            signer, name = key.rsplit("/", 2)[1:]
-            try:
-                if (blob := self._get_fragment(key, g)) is None:
-                    continue
-                if name != keys.PRIMARY_NAME and g.seen[key] != name:
-                    raise ProtocolError(
-                        "its bytes do not match the hash its key names (truncated or planted)"
-                    )
-                got = self.codec.decode(other, blob, shapes, signer)
-            except (ProtocolError, ObjectTooLarge) as e:
-                self._reject(fid, r, key, e, g)
-                continue
-            if r == fid.replica and (signer, g.seen[key]) == (self.codec.signer, ours[1]):
-                got = ours[0]
-            g.contribs[r], g.used[r] = got, (signer, g.seen[key])
-            return True
-        return False
-
-    def _put_ours(
-        self,
-        fid: FragmentId,
-        data: bytes,
-        ours: tuple[list[torch.Tensor], str],
-        shapes: list[torch.Size],
-        g: _Gathered,
-    ) -> None:
-        """Upload our fragment to our primary key, or, if that holds anything but a valid fragment of ours,
-        to the key naming its hash, and settle our slot in g with what the round can use: `ours`, or a
-        valid fragment of ours already at the primary key (from before a restart). Nothing settled: the
-        store did not answer (again at the next poll), or both keys held other bytes."""
-        me, signer = fid.replica, self.codec.signer
-        primary = self._primary(fid, me, signer)
-        by_hash = keys.fragment_key(fid.run_id, fid.stage, fid.fragment, fid.round, me, signer, ours[1])
-        for key in (k for k in (primary, by_hash) if k not in g.bad):
-            state, stored = self._put_once(key, data)
-            if state is None:
-                return
-            if state:
-                g.contribs[me], g.used[me] = ours[0], (signer, ours[1])
-                return
-            g.seen[key] = keys.content_digest(stored) if stored else TOO_LARGE
-            if key == by_hash:
-                g.bad.add(key)
-                return
-            try:
-                if not stored:
-                    raise ObjectTooLarge("larger than any valid fragment")
-                g.contribs[me] = self.codec.decode(fid, stored, shapes, signer)
-            except (ProtocolError, ObjectTooLarge) as e:
-                self._reject(fid, me, key, e, g)
-                continue
-            g.used[me] = (signer, g.seen[key])
-            return
+            self.checkpoints.trust(known)
 
     def _apply(self, p: _Pending) -> None:
         t = time.perf_counter()
@@ -849,7 +333,17 @@ class OuterSync:
                 drift = self.params[i].detach() - p.theta_at_capture[j]  # theta(a_f) - theta(c_f)
                 self.params[i].copy_(self.anchor[i] + drift)
 
-    def _count(self, up: int = 0, down: int = 0) -> None:
-        with self._lock:
-            self.stats.bytes_up += up
-            self.stats.bytes_down += down
+
+__all__ = [
+    "ANCHOR_IN_SPAN",
+    "Aggregator",
+    "Confinement",
+    "Encoding",
+    "FragmentCodec",
+    "FragmentId",
+    "LocalState",
+    "OuterSync",
+    "RoundAgreementError",
+    "StepOutcome",
+    "SyncStats",
+]

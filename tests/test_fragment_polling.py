@@ -80,7 +80,7 @@ def test_a_late_fragment_is_found_by_gets_and_the_round_is_listed_once(
     _, syncs = make_replicas(stores[0], SHAPES, R=3, H=H, expected=4, stores=stores)
     closer.extend(syncs)
     for s in syncs:
-        s.timeout_s, s.poll_s, s.poll_max_s = timeout_s, 0.1, 1.0
+        s.exchange.timeout_s, s.exchange.poll_s, s.exchange.poll_max_s = timeout_s, 0.1, 1.0
 
     def late() -> None:
         time.sleep(late_s)

@@ -193,7 +193,7 @@ def test_rounds_complete_through_503s_stalls_and_truncated_answers(
         proxy.rule = rule
         _, syncs = make_replicas(store, SHAPES, R=3, H=3, P=1, tau=1, stores=[store, store, flaky])
         for s in syncs:
-            s.timeout_s = 30.0
+            s.exchange.timeout_s = 30.0
         closer.extend(syncs)
         for _ in lockstep(syncs, range(1, 14)):  # captures at 3, 6, 9, 12; applied one step later
             pass
@@ -300,7 +300,7 @@ def test_corrupted_fragments_are_rejected_and_the_round_completes(
     run_id, syncs = make_replicas(store, SHAPES, R=2, H=H, expected=3)
     closer.extend(syncs)
     for s in syncs:
-        s.timeout_s = 1.0
+        s.exchange.timeout_s = 1.0
     checker = SparseLoCoCodec(IDS[0], CFG)
     for rnd, kind in enumerate(KINDS):
         fid = FragmentId(run_id, 0, 0, rnd, 2)
@@ -372,9 +372,9 @@ def test_put_once_tells_ours_from_other_bytes(store: ObjectStore, closer: list[O
     _, syncs = make_replicas(store, SHAPES, R=1, H=2)
     closer.extend(syncs)
     key = f"{syncs[0].run_id}/put-once"
-    assert syncs[0]._put_once(key, b"the same bytes") == (True, None)
-    assert syncs[0]._put_once(key, b"the same bytes") == (True, None)
-    assert syncs[0]._put_once(key, b"other bytes") == (False, b"the same bytes")
+    assert syncs[0].exchange.put_once(key, b"the same bytes") == (True, None)
+    assert syncs[0].exchange.put_once(key, b"the same bytes") == (True, None)
+    assert syncs[0].exchange.put_once(key, b"other bytes") == (False, b"the same bytes")
 
 
 def test_an_unreachable_store_leaves_our_fragment_unused(closer: list[OuterSync]) -> None:
@@ -386,9 +386,9 @@ def test_an_unreachable_store_leaves_our_fragment_unused(closer: list[OuterSync]
         port = s.getsockname()[1]
     dead = ObjectStore(StoreConfig(endpoint_url=f"http://127.0.0.1:{port}", bucket="gone"), timeout_s=2)
     _, syncs = make_replicas(dead, SHAPES, R=1, H=2)
-    syncs[0].timeout_s = 1.0
+    syncs[0].exchange.timeout_s = 1.0
     closer.extend(syncs)
-    assert syncs[0]._put_once("k", b"fragment") == (None, None)
+    assert syncs[0].exchange.put_once("k", b"fragment") == (None, None)
     for _ in lockstep(syncs, range(1, 3)):
         pass
     assert syncs[0].stats.not_uploaded == 1 and syncs[0].stats.bytes_up == 0
@@ -492,7 +492,7 @@ def test_replicas_with_different_deadlines_apply_the_same_set(
     H = 2
     run_id, syncs = make_replicas(store, SHAPES, R=2, H=H, expected=3)
     closer.extend(syncs)
-    syncs[0].timeout_s, syncs[1].timeout_s = 1.0, 20.0
+    syncs[0].exchange.timeout_s, syncs[1].exchange.timeout_s = 1.0, 20.0
     late = valid_blob(IDS[2], FragmentId(run_id, 0, 0, 0, 2), SHAPES, CFG)[0]
     timer = threading.Timer(3.0, plant, (store, run_id, 0, 2, late))
     timer.start()
@@ -527,7 +527,7 @@ def test_a_late_replica_adopts_the_record_and_its_own_fragment_goes_back(
     closer.extend(syncs)
     early, late = syncs[:2], syncs[2]
     for s in early:
-        s.timeout_s = 1.0
+        s.exchange.timeout_s = 1.0
     for _ in lockstep(early, range(1, 2 * H + 1)):
         pass
     assert [s.stats.last_contributors for s in early] == [[0, 1], [0, 1]]
@@ -566,7 +566,7 @@ def test_a_replica_that_drops_out_mid_round_ends_the_wait_and_counts_as_missing(
     run_id, syncs = make_replicas(store, SHAPES, R=2, H=H, expected=3)
     closer.extend(syncs)
     for s in syncs:
-        s.timeout_s = 20.0
+        s.exchange.timeout_s = 20.0
     survivors = {r: IDS[r].peer_id for r in range(2)}
     timers = [threading.Timer(1.0, s.set_stage_peers, (survivors,)) for s in syncs]
     for t in timers:

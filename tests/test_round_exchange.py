@@ -1,0 +1,137 @@
+"""The round exchange on its own (node/round_exchange.py), against a real S3 server (moto), with no outer
+loop around it: replicas agree on one set per round, a late replica adopts it, a squatted key takes no slot.
+Fragments are DiLoCo's dense codec on a 4-value tensor: the exchange only moves signed bytes."""
+
+from __future__ import annotations
+
+import threading
+import uuid
+from concurrent.futures import ThreadPoolExecutor
+
+import pytest
+import torch
+
+from node.dense_sync import DenseCodec
+from node.round_exchange import Exchanged, FragmentId, RoundExchange, SyncStats
+from protocol import keys
+from protocol.envelope import open_envelope
+from protocol.identity import Identity
+from protocol.messages import RoundRecord
+from protocol.store import ObjectStore, StoreConfig
+
+pytestmark = pytest.mark.timeout(60)
+
+IDS = [Identity.from_seed(bytes([40 + i]) * 32) for i in range(3)]
+SHAPES = [torch.Size([4])]
+
+
+@pytest.fixture(scope="module")
+def store(moto_store: str) -> ObjectStore:
+    s = ObjectStore(StoreConfig(endpoint_url=moto_store, bucket="round-exchange"))
+    s.ensure_bucket()
+    return s
+
+
+def exchange(store: ObjectStore, r: int, replicas: int, timeout_s: float = 10.0) -> RoundExchange:
+    return RoundExchange(
+        store,
+        DenseCodec(IDS[r]),
+        replica=r,
+        stage_peers={q: IDS[q].peer_id for q in range(replicas)},
+        former_stage_peers=None,
+        timeout_s=timeout_s,
+        poll_s=0.01,
+        poll_max_s=0.1,
+        stats=SyncStats(),
+        lock=threading.Lock(),
+    )
+
+
+def put(ex: RoundExchange, fid: FragmentId) -> Exchanged:
+    """Replica fid.replica's contribution: the value r + 1 everywhere, so the set shows who is in it."""
+    delta = [torch.full((4,), float(fid.replica + 1))]
+    return ex.run(fid, ex.codec.encode(fid, delta), SHAPES)
+
+
+def record(store: ObjectStore, fid: FragmentId) -> RoundRecord:
+    blob = store.get(keys.round_record_key(fid.run_id, fid.stage, fid.fragment, fid.round))
+    assert blob is not None
+    return open_envelope(blob, RoundRecord).body
+
+
+def values(ex: Exchanged) -> dict[int, float]:
+    return {r: float(t[0][0]) for r, t in ex.contribs.items()}
+
+
+def test_replicas_settle_one_set_and_write_its_record(store: ObjectStore) -> None:
+    run = f"rx-{uuid.uuid4().hex[:8]}"
+    exs = [exchange(store, r, 3) for r in range(3)]
+    with ThreadPoolExecutor(3) as pool:
+        got = list(pool.map(lambda r: put(exs[r], FragmentId(run, 0, 0, 0, r)), range(3)))
+    assert all(values(g) == {0: 1.0, 1: 2.0, 2: 3.0} for g in got)
+    assert all(g.unsent is None for g in got)  # every replica's own fragment is in the set
+    rec = record(store, FragmentId(run, 0, 0, 0, 0))
+    assert [(e.replica, e.signer) for e in rec.entries] == [(r, IDS[r].peer_id) for r in range(3)]
+    assert all(ex.stats.missing == ex.stats.rejected == 0 for ex in exs)
+
+
+def test_a_replica_that_never_comes_is_missing_and_a_late_one_adopts_the_record(store: ObjectStore) -> None:
+    """Replicas 0 and 1 settle without 2 at the deadline; replica 2, later, applies their set (its own
+    fragment goes back to it as unsent) instead of a set of its own."""
+    run = f"rx-{uuid.uuid4().hex[:8]}"
+    exs = [exchange(store, r, 3, timeout_s=1.0) for r in range(3)]
+    with ThreadPoolExecutor(2) as pool:
+        early = list(pool.map(lambda r: put(exs[r], FragmentId(run, 0, 0, 0, r)), range(2)))
+    assert all(values(g) == {0: 1.0, 1: 2.0} for g in early)
+    assert all(exs[r].stats.missing == 1 for r in range(2))
+    late = put(exs[2], FragmentId(run, 0, 0, 0, 2))
+    assert values(late) == {0: 1.0, 1: 2.0}
+    assert late.unsent is not None and float(late.unsent[0][0]) == 3.0
+    assert exs[2].stats.not_uploaded == 1
+    assert [e.replica for e in record(store, FragmentId(run, 0, 0, 0, 0)).entries] == [0, 1]
+
+
+def test_a_squatted_primary_key_takes_no_slot(store: ObjectStore) -> None:
+    """Someone with store credentials writes garbage at replica 1's primary fragment key first: replica 1
+    writes under the key naming its bytes' hash, both replicas find it there, and the set has both."""
+    run = f"rx-{uuid.uuid4().hex[:8]}"
+    squatted = keys.primary_fragment_key(run, 0, 0, 0, 1, IDS[1].peer_id)
+    store.put(squatted, b"not a fragment")
+    exs = [exchange(store, r, 2) for r in range(2)]
+    with ThreadPoolExecutor(2) as pool:
+        got = list(pool.map(lambda r: put(exs[r], FragmentId(run, 0, 0, 0, r)), range(2)))
+    assert all(values(g) == {0: 1.0, 1: 2.0} for g in got)
+    assert store.get(squatted) == b"not a fragment"  # write-once: the squatter's bytes stay, unused
+    assert len(store.list(keys.slot_prefix(run, 0, 0, 0, 1))) == 2
+    assert exs[0].stats.rejected >= 1
+    assert got[1].unsent is None  # replica 1's own fragment, at its hash-named key, is the one used
+    assert exs[1].signers(1) == {IDS[1].peer_id}
+
+
+def test_a_record_no_slot_signer_wrote_is_not_adopted(store: ObjectStore) -> None:
+    """A round record signed by a stranger at the record's key is rejected; the replicas settle their own
+    set (their record cannot be written there: write-once), each applying its own view."""
+    from protocol.envelope import seal
+    from protocol.messages import RecordEntry
+
+    run = f"rx-{uuid.uuid4().hex[:8]}"
+    stranger = Identity.from_seed(bytes([99]) * 32)
+    forged = RoundRecord(
+        run_id=run, stage=0, fragment=0, round=0,
+        entries=[RecordEntry(replica=0, signer=IDS[0].peer_id, digest="0" * 64)],
+    )  # fmt: skip
+    store.put(keys.round_record_key(run, 0, 0, 0), seal(stranger, forged))
+    exs = [exchange(store, r, 2, timeout_s=2.0) for r in range(2)]
+    with ThreadPoolExecutor(2) as pool:
+        got = list(pool.map(lambda r: put(exs[r], FragmentId(run, 0, 0, 0, r)), range(2)))
+    assert all(values(g) == {0: 1.0, 1: 2.0} for g in got)
+    assert all(ex.stats.rejected >= 1 for ex in exs)
+
+
+def test_set_stage_peers_keeps_the_replaced_signer_for_its_rounds(store: ObjectStore) -> None:
+    ex = exchange(store, 0, 2)
+    newcomer = Identity.from_seed(bytes([77]) * 32).peer_id
+    known = ex.set_stage_peers({0: IDS[0].peer_id, 1: newcomer})
+    assert ex.signers(1) == {newcomer, IDS[1].peer_id}
+    assert known == {IDS[0].peer_id, newcomer, IDS[1].peer_id}
+    assert ex.slots() == {0, 1}

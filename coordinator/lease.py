@@ -53,7 +53,7 @@ def _highest_term(store: ObjectStore, run_id: str) -> int:
     ({run}/assign/{term}-{epoch}): a new term must exceed it even when the lease object itself was lost
     or overwritten with garbage."""
     terms = [0]
-    for prefix in (f"{run_id}/terms/", f"{run_id}/assign/"):
+    for prefix in (keys.terms_prefix(run_id), keys.assign_prefix(run_id)):
         for key in store.list(prefix):
             head = key.rsplit("/", 1)[-1].split("-", 1)[0]
             if head.isdigit():

@@ -261,7 +261,7 @@ class AssignmentSource:
         archives (None: none is)."""
         newer = sorted(
             (slot, key)
-            for key in self.store.list(f"{a.run_id}/assign/")
+            for key in self.store.list(keys.assign_prefix(a.run_id))
             if (slot := archive_slot(a.run_id, key)) is not None and slot > (a.term, a.epoch)
         )
         for _, key in reversed(newer[-ARCHIVE_READS:]):

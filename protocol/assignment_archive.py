@@ -12,6 +12,7 @@ import logging
 
 import msgpack
 
+from protocol import keys
 from protocol.delegation import OperatorTrust
 from protocol.envelope import open_envelope, seal
 from protocol.identity import Identity
@@ -34,7 +35,7 @@ def encode_archive(identity: Identity, assignments: list[Assignment]) -> bytes:
 
 def archive_slot(run_id: str, key: str) -> tuple[int, int] | None:
     """(term, epoch) of an archive's store key, or None for any other name under the run."""
-    prefix = f"{run_id}/assign/"
+    prefix = keys.assign_prefix(run_id)
     term, sep, epoch = key.removeprefix(prefix).partition("-")
     if not (key.startswith(prefix) and sep and term.isdecimal() and epoch.isdecimal()):
         return None
@@ -70,7 +71,7 @@ def read_archive(
     None if there is none or it cannot be read (logged)."""
     rid = spec.run_id
     try:
-        archived = sorted(store.list(f"{rid}/assign/"))
+        archived = sorted(store.list(keys.assign_prefix(rid)))
         blob = store.get(archived[-1], max_bytes=MAX_ARCHIVE_BYTES) if archived else None
         if blob is None:
             return None

@@ -35,13 +35,22 @@ def lease_key(run: str) -> str:
     return f"{run}/lease"
 
 
+def terms_prefix(run: str) -> str:
+    return f"{run}/terms/"
+
+
 def term_key(run: str, term: int) -> str:
     """Write-once claim of a lease term: a term is taken once, even if the lease object is lost."""
-    return f"{run}/terms/{term:06d}"
+    return f"{terms_prefix(run)}{term:06d}"
+
+
+def assign_prefix(run: str) -> str:
+    """Where the run's assignment archives are (protocol/assignment_archive.py)."""
+    return f"{run}/assign/"
 
 
 def assign_key(run: str, term: int, epoch: int) -> str:
-    return f"{run}/assign/{term:06d}-{epoch:06d}"
+    return f"{assign_prefix(run)}{term:06d}-{epoch:06d}"
 
 
 def control_key(run: str) -> str:

@@ -67,13 +67,26 @@ def json_line(msg: str, logger: str, **fields: object) -> str:
     return json.dumps(out, default=str)
 
 
+class _StderrHandler(logging.Handler):
+    """Writes to sys.stderr as it is when a record is emitted, not when logging was configured: whoever
+    swaps sys.stderr later (a test harness capturing a command run in-process, a daemon redirecting it)
+    does not leave the root logger writing into a closed stream from every thread."""
+
+    def emit(self, record: logging.LogRecord) -> None:
+        try:
+            sys.stderr.write(self.format(record) + "\n")
+            sys.stderr.flush()
+        except Exception:  # logging's own contract: report through handleError, never raise
+            self.handleError(record)
+
+
 def setup_logging(level: str = "INFO", fmt: str = "text") -> None:
     """Configure the root logger on stderr (replacing any handler set before)."""
     if fmt not in LOG_FORMATS:
         raise ValueError(
             f"log format {fmt!r} is not one of {', '.join(LOG_FORMATS)} (example: --log-format json)"
         )
-    handler = logging.StreamHandler(sys.stderr)
+    handler = _StderrHandler()
     handler.setFormatter(JsonFormatter() if fmt == "json" else logging.Formatter(TEXT_FORMAT))
     root = logging.getLogger()
     for h in list(root.handlers):

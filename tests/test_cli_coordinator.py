@@ -362,6 +362,7 @@ def test_every_cli_has_version_and_json_logs_are_one_object_per_line() -> None:
     log = logging.getLogger("crucible.test.json")
     log.addHandler(handler)
     log.propagate = False
+    log.setLevel(logging.INFO)  # whatever level a command run in-process before left on the root
     try:
         log.warning("run %s: %d nodes", 'a b\n"c"', 4)
         try:

@@ -39,6 +39,7 @@ from protocol.identity import Identity
 from protocol.runspec import ModelSpec, SyncSpec, TrainSpec
 from protocol.store import ObjectStore, StoreConfig
 from scripts.bench_quality import ATTACKS, Attack, Result, Setup, arm_spec, parse_rounds, run_outer
+from scripts.bench_subspace_quality import bench_model
 
 RULES = ("trimmed", "clip_median", "none")
 
@@ -122,13 +123,7 @@ def main(argv: list[str] | None = None) -> int:
     if last > args.outer_rounds:
         ap.error(f"--rounds {args.rounds} ends after the last of {args.outer_rounds} outer rounds")
     try:
-        model = ModelSpec(
-            d_model=args.d_model,
-            n_layers=args.n_layers,
-            n_heads=4,
-            d_ff=round(8 * args.d_model / 3 / 8) * 8,
-            seq_len=args.seq_len,
-        )
+        model = bench_model(args)
         steps = args.outer_rounds * args.H
         base_sync = SyncSpec(
             method="sparseloco", H=args.H, k=64, beta=args.beta, aggregation="per_coordinate"

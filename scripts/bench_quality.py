@@ -64,6 +64,7 @@ from protocol.runspec import ModelSpec, RunSpec, SyncSpec, TrainSpec
 from protocol.sparseloco import CompressedFragment, SparseLoCoConfig, decompress
 from protocol.sparseloco_format import decode_fragment, encode_fragment
 from protocol.store import ObjectStore, StoreConfig
+from scripts.bench_subspace_quality import bench_model
 
 ARMS = ("adamw", "diloco", "sparseloco", "stream_tau1", "stream_tau2")
 ATTACKS = ("x100", "flip", "floatmax")
@@ -477,13 +478,7 @@ def plan(argv: list[str] | None = None) -> Plan:
         if "adamw" in arms or "diloco" in arms:
             ap.error("--attack forges SparseLoCo fragments: use SparseLoCo arms only (--arms sparseloco)")
     try:
-        model = ModelSpec(
-            d_model=args.d_model,
-            n_layers=args.n_layers,
-            n_heads=4,
-            d_ff=round(8 * args.d_model / 3 / 8) * 8,
-            seq_len=args.seq_len,
-        )
+        model = bench_model(args)
     except ValueError as e:
         ap.error(f"--d-model/--n-layers/--seq-len: {e}")
     try:

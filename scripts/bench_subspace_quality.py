@@ -110,15 +110,20 @@ def evaluate(arm: Arm, batches: list[torch.Tensor]) -> float:
     return nats / math.log(2)
 
 
-def arm_specs(args: argparse.Namespace, train: TrainSpec) -> dict[str, RunSpec]:
-    """The 2-stage run each arm trains: dense links, and one k-wide subspace link (the spec checks k <= d)."""
-    model = ModelSpec(
+def bench_model(args: argparse.Namespace) -> ModelSpec:
+    """The benches' Llama of --d-model, --n-layers and --seq-len: 4 heads, SwiGLU width 8d/3 rounded to 8."""
+    return ModelSpec(
         d_model=args.d_model,
         n_layers=args.n_layers,
         n_heads=4,
         d_ff=round(8 * args.d_model / 3 / 8) * 8,
         seq_len=args.seq_len,
     )
+
+
+def arm_specs(args: argparse.Namespace, train: TrainSpec) -> dict[str, RunSpec]:
+    """The 2-stage run each arm trains: dense links, and one k-wide subspace link (the spec checks k <= d)."""
+    model = bench_model(args)
     links = {"dense": [], "subspace": [args.k]}
     return {
         name: RunSpec(

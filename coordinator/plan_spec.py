@@ -41,6 +41,7 @@ def run_settings(spec: RunSpec, ceiling: float) -> RunSettings:
         microbatches=spec.train.microbatches,
         microbatch_size=spec.train.batch_size // spec.train.microbatches,
         schedule="1f1b",
+        extra_in_flight=spec.pipeline.extra_in_flight,
         k=max(wire_k, default=d),
         ceiling=ceiling,
         H=spec.sync.H,

@@ -239,6 +239,36 @@ def test_each_boundary_k_follows_the_slowest_link_it_crosses() -> None:
     assert choose_boundary_k(pl, fast_nodes, cost)[1] == k[0]
 
 
+def test_a_run_spec_s_boundary_k_counts_its_extra_in_flight() -> None:
+    """A run spec's own settings (the coordinator's `link_k_auto`): three equal nodes, evenly split, one
+    20 Mbit/s link, 2 ms round trips. The 1F1B slack that hides a message is what the node's schedule keeps in flight,
+    S + pipeline.extra_in_flight microbatches; read as S (no extra) an even split leaves no slack at all
+    and every link, the 10 Gbit/s one too, fell to k_min."""
+    spec = RunSpec(
+        run_id="k",
+        replicas=1,
+        stages=3,
+        model=ModelSpec(d_model=256, n_layers=9, n_heads=4, d_ff=688, seq_len=128),
+        train=TrainSpec(total_steps=10, batch_size=8, microbatches=8),
+    )
+    assert spec.pipeline.extra_in_flight > 0
+    cost = CostModel.from_spec(spec)
+    assert cost.settings.extra_in_flight == spec.pipeline.extra_in_flight and cost.layers == (3, 3, 3)
+    link = {("a", "b"): 10_000.0, ("a", "c"): 10_000.0, ("b", "c"): 20.0}
+    link |= {(y, x): v for (x, y), v in link.items()}
+    nodes = {
+        x: dataclasses.replace(
+            _node(x, 0.05, peer_mbps={y: link[(x, y)] for y in "abc" if y != x}),
+            peer_rtt_ms={y: 2.0 for y in "abc" if y != x},
+        )
+        for x in "abc"
+    }
+    pl = Placement({(0, 0): "a", (0, 1): "b", (0, 2): "c"})
+    assert choose_layer_split(pl, nodes, cost) == cost.layers  # the coordinator's own split: balanced
+    k = choose_boundary_k(pl, nodes, cost)
+    assert k[0] == spec.model.d_model and cost.settings.k_min <= k[1] < k[0], k
+
+
 def test_layers_are_split_by_the_placed_nodes_speed() -> None:
     """Layer balancing by speed (issue 13 acceptance 3): 2 replicas x 2 stages of a 32-layer model; the
     stage-1 nodes advertise 3x the TFLOP/s of the stage-0 nodes (one stage-1 node only 2x: the slowest of

@@ -39,7 +39,10 @@ from coordinator.operator_key import (
     load_signing_key,
 )
 from protocol import keys
-from protocol.cli_errors import (
+from protocol.delegation import OperatorTrust, RefusalLog, issue, utc
+from protocol.identity import Identity
+from protocol.messages import ANY_RUN, MAX_DELEGATION_S, NodeAdvert, RunRecord
+from protocol.process.cli_errors import (
     EXAMPLE_MULTIADDR,
     ArgumentParser,
     UsageError,
@@ -51,16 +54,13 @@ from protocol.cli_errors import (
     check_url,
     run_cli,
 )
-from protocol.delegation import OperatorTrust, RefusalLog, issue, utc
-from protocol.identity import Identity
-from protocol.logs import add_log_args, json_line, setup_logging, version
-from protocol.messages import ANY_RUN, MAX_DELEGATION_S, NodeAdvert, RunRecord
+from protocol.process.logs import add_log_args, json_line, setup_logging, version
+from protocol.process.signals import install_stop_signals
 from protocol.runspec import check_run_id, load_run_spec
-from protocol.signals import install_stop_signals
 
 if TYPE_CHECKING:  # hivemind and boto3 take seconds to import: only the commands that talk import them
-    from protocol.dht_client import DHTClient
-    from protocol.store import ObjectStore
+    from protocol.net.dht_client import DHTClient
+    from protocol.net.store import ObjectStore
 
 log = logging.getLogger("crucible.coordinator")
 PROG = "crucible-coordinator"
@@ -254,7 +254,7 @@ def build_parser() -> argparse.ArgumentParser:
     _store_args(ex)
     _common_args(ex)
 
-    from coordinator import plan_cli
+    from coordinator.plan import cli as plan_cli
 
     plan_cli.add_parser(sub)
     return ap
@@ -409,7 +409,7 @@ def check_args(args: argparse.Namespace) -> None:
 
 # ---------------------------------------------------------------------------------------- commands
 def _store(args: argparse.Namespace) -> ObjectStore:
-    from protocol.store import ObjectStore, StoreConfig
+    from protocol.net.store import ObjectStore, StoreConfig
 
     return ObjectStore(
         StoreConfig(
@@ -422,7 +422,7 @@ def _store(args: argparse.Namespace) -> ObjectStore:
 
 
 def _dht(args: argparse.Namespace, identity: Identity | None = None, *, client: bool = True) -> DHTClient:
-    from protocol.dht_client import DHTClient
+    from protocol.net.dht_client import DHTClient
 
     # status, launch, stop: a client of the DHT, not a peer that others route through (serve is a peer)
     return DHTClient(
@@ -692,7 +692,7 @@ def cmd_export(args: argparse.Namespace) -> int:
 
 
 def _plan(args: argparse.Namespace) -> int:
-    from coordinator import plan_cli
+    from coordinator.plan import cli as plan_cli
 
     return plan_cli.run(args)
 
@@ -713,7 +713,7 @@ def _user_errors() -> tuple[type[Exception], ...]:
     """What a command raises for a bad input it could only find by trying (a bootstrap peer that does not
     answer, a run id not in the store, a store that refuses the endpoint or keys): exit 2, one line.
     The store's error is named only when the store was imported (boto3 is slow to import)."""
-    store = sys.modules.get("protocol.store")
+    store = sys.modules.get("protocol.net.store")
     return (ValueError,) if store is None else (ValueError, store.StoreError)
 
 

@@ -1,4 +1,4 @@
-"""The coordinator's web dashboard and API (protocol/http_server.py: capped connections, request deadlines,
+"""The coordinator's web dashboard and API (protocol/process/http_server.py: capped connections, request deadlines,
 4xx with a message for a bad request, never a 500).
 
     GET /                          the dashboard (HTML; ?run=ID selects a run)
@@ -23,8 +23,8 @@ from typing import TYPE_CHECKING
 from aiohttp import web
 
 from coordinator.metrics import coordinator_families
-from protocol.http_server import BadRequest, GuardedHTTPServer, check_query, query_int
-from protocol.metrics import CONTENT_TYPE, render
+from protocol.process.http_server import BadRequest, GuardedHTTPServer, check_query, query_int
+from protocol.process.metrics import CONTENT_TYPE, render
 
 if TYPE_CHECKING:
     from coordinator.service import Coordinator

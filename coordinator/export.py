@@ -13,14 +13,14 @@ Subspace Networks, arXiv 2506.01260):
     RoPE:          interleaved pairs (q_{2i}, q_{2i+1})  -> half-split pairs (q_i, q_{i+hd/2}) of
                                                            `rotate_half`: permute the rows of wq, wk
 
-T is regenerated from the run's projection seed (`protocol.subspace.token_table`). The boundary map is
+T is regenerated from the run's projection seed (`protocol.codecs.subspace.token_table`). The boundary map is
 token-dependent and rank-k_b, so HF Llama cannot express it in general; it is the identity exactly when
 X - T[x] = E[x] + sum of writer outputs lies in span(U_b), which the swarm maintains by projecting every
 constrained writer after each inner and outer step and on loading a checkpoint (`project_weights_`). The
 export applies that same projection (W <- U_k U_k^T W, E <- E U_k U_k^T, idempotent on a consensus) and
 refuses weights that lie far off the span: those come from another run spec (link_k, projection_seed), or,
 under the run's own spec, from a checkpoint whose anchor drifted (builds before the outer step kept the
-anchor in span: node/outer_sync.py, `consensus_projection`).
+anchor in span: node/sync/outer_sync.py, `consensus_projection`).
 
 Permutation: with hd the head width, head h's rows are reordered to
 `h*hd + [0, 2, ..., hd-2, 1, 3, ..., hd-1]`. Then HF's first half holds the even components, the second
@@ -41,11 +41,11 @@ from coordinator.lease import stored_record
 from protocol import keys
 from protocol.assignment_archive import read_archive
 from protocol.checkpoint import CheckpointRefused, list_rounds, read_round
+from protocol.codecs.subspace import basis, subspace_plan, token_table
 from protocol.delegation import OperatorTrust
 from protocol.identity import public_key_of_peer_id
+from protocol.net.store import ObjectStore
 from protocol.runspec import RunSpec
-from protocol.store import ObjectStore
-from protocol.subspace import basis, subspace_plan, token_table
 
 RMS_NORM_EPS = 1e-6
 """node/model.py's RMSNorm epsilon (its default; the model never passes another)."""
@@ -132,7 +132,7 @@ def merge_stages(spec: RunSpec, stage_states: list[dict[str, torch.Tensor]]) -> 
 
 def residual_spans(spec: RunSpec) -> tuple[int | None, dict[int, int]]:
     """(embed_k, write_k): E's rows lie in span(U[:, :embed_k]), layer l's wo / w_down outputs in
-    span(U[:, :write_k[l]]); (None, {}) when every link is dense (protocol.subspace.subspace_plan)."""
+    span(U[:, :write_k[l]]); (None, {}) when every link is dense (protocol.codecs.subspace.subspace_plan)."""
     plan = subspace_plan(spec.model, spec.pipeline, spec.layer_ranges())
     return plan.embed_k, dict(plan.write_k)
 

@@ -27,11 +27,11 @@ from protocol.delegation import OperatorTrust
 from protocol.envelope import open_envelope, seal
 from protocol.identity import Identity
 from protocol.messages import Lease, RunControl, RunRecord
+from protocol.net.store import ObjectStore, ObjectTooLarge
 from protocol.schema import ProtocolError
-from protocol.store import ObjectStore, ObjectTooLarge
 
 if TYPE_CHECKING:  # hivemind: only `launch` is handed a DHT client
-    from protocol.dht_client import DHTClient
+    from protocol.net.dht_client import DHTClient
 
 log = logging.getLogger(__name__)
 

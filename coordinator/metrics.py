@@ -11,8 +11,8 @@ from typing import TYPE_CHECKING
 
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
 
-from protocol.http_server import GuardedHTTPServer
-from protocol.metrics import gauge, http_families, rejected_family, store_families
+from protocol.process.http_server import GuardedHTTPServer
+from protocol.process.metrics import gauge, http_families, rejected_family, store_families
 
 if TYPE_CHECKING:
     from coordinator.service import Coordinator

@@ -16,10 +16,10 @@ import os
 import time
 from pathlib import Path
 
-from protocol.cli_errors import bad_input
 from protocol.delegation import OperatorTrust, Untrusted, read_certificate
 from protocol.identity import Identity, peer_id_of
 from protocol.messages import MAX_CERTIFICATE_BYTES
+from protocol.process.cli_errors import bad_input
 
 DEFAULT_OPERATOR_KEY_FILE = "~/.crucible/operator.key"
 """Where `init` writes the key and the other commands read it when --operator-key-file is not given."""

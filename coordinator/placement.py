@@ -1,7 +1,7 @@
 """Placement: live adverts -> R replicas x S stages, scored by the planner (one cost model).
 
 Objective: the run's predicted tokens/s, the planner's sum over replicas of M b s / step_r, where
-step_r is `coordinator.planner.replica_step_s` of replica r's hosts: its pipeline schedule replayed
+step_r is `coordinator.plan.planner.replica_step_s` of replica r's hosts: its pipeline schedule replayed
 with each stage's compute t_c[s] = work[s] b s / rate from the node's advert (the sustained rate of
 its reference block, else tflops x ceiling), and each boundary's message time
 t_x = bytes_per_microbatch(k) / bandwidth over the link it crosses, plus the SparseLoCo sync wait from
@@ -39,11 +39,11 @@ import statistics
 from collections.abc import Callable, Iterator, Mapping, Sequence
 from dataclasses import dataclass, field
 
-from coordinator.plan_inputs import MODELS, Host, ModelShape, RunSettings, compute_tflops, sustained_tflops
-from coordinator.plan_layout import Layout, balance_layers, stage_work
-from coordinator.plan_links import activation_bytes, id_bytes, shaped_link
-from coordinator.plan_spec import run_settings
-from coordinator.planner import Prediction, boundary_k, predict, replica_step_s
+from coordinator.plan.inputs import MODELS, Host, ModelShape, RunSettings, compute_tflops, sustained_tflops
+from coordinator.plan.layout import Layout, balance_layers, stage_work
+from coordinator.plan.links import activation_bytes, id_bytes, shaped_link
+from coordinator.plan.planner import Prediction, boundary_k, predict, replica_step_s
+from coordinator.plan.spec import run_settings
 from protocol.memory import GB, fits, precision_for_device, stage_memory
 from protocol.messages import NodeAdvert
 from protocol.runspec import RunSpec
@@ -192,11 +192,11 @@ class CostModel:
     """What placement scores with: the planner's model, layer split and settings for the run."""
 
     shape: ModelShape
-    """The run's model (coordinator.plan_inputs.ModelShape)."""
+    """The run's model (coordinator.plan.inputs.ModelShape)."""
     layers: tuple[int, ...]
     """Layers per stage, the same in every replica; sums to shape.n_layers."""
     settings: RunSettings
-    """Schedule, microbatches, link k and sync cadence (coordinator.plan_spec.run_settings for a spec)."""
+    """Schedule, microbatches, link k and sync cadence (coordinator.plan.spec.run_settings for a spec)."""
     default_mbps: float = 1000.0
     """Mbit/s of a link, or to the store, that nothing measured."""
     default_rtt_ms: float = 0.0
@@ -679,7 +679,7 @@ def choose_boundary_k(
 ) -> tuple[int, ...]:
     """k of every pipeline boundary for the run, chosen at launch from the nodes placed: the slowest
     measured link each boundary crosses, in any replica, sets it, so that bytes_per_microbatch(k) /
-    bandwidth fits the compute that hides it (`coordinator.planner.boundary_k`, floored at the settings'
+    bandwidth fits the compute that hides it (`coordinator.plan.planner.boundary_k`, floored at the settings'
     k_min). The same k in every replica: stage weights are averaged across replicas."""
     return boundary_k(cost.shape, placement_layout(placement, adverts, cost), cost.settings)
 

@@ -5,7 +5,7 @@ the coordinator's /metrics).
                  trains on the same tokens; each measures over its own >= 2 s window, so the newest-measured,
                  the largest, stands for the replica)   # replicas never wait on each other
     loss       = mean over replicas of the last stage's training loss (nats/token)
-    MFU, tax, $/Mtok: the planner's definitions (coordinator/planner.py `figures`) at the measured tokens/s,
+    MFU, tax, $/Mtok: the planner's definitions (coordinator/plan/planner.py `figures`) at the measured tokens/s,
                       over the placed nodes as placement sees them (one cost model)
     bytes      = summed over every node the run has had (`CumulativeCounters`): a node's counters count
                  its current assignment, so a node that died, or was given a new assignment, keeps what
@@ -24,7 +24,7 @@ from collections.abc import Mapping
 from dataclasses import asdict, dataclass, field, replace
 
 from coordinator.placement import CostModel, Placement, placement_layout
-from coordinator.planner import Prediction, figures
+from coordinator.plan.planner import Prediction, figures
 from protocol.messages import NodeAdvert
 from protocol.runspec import RunSpec
 

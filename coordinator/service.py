@@ -30,7 +30,6 @@ from protocol import keys
 from protocol.assignment_archive import encode_archive, read_archive
 from protocol.checkpoint import list_rounds
 from protocol.delegation import OperatorTrust, RefusalLog, Untrusted
-from protocol.dht_client import DHTClient, dht_time
 from protocol.envelope import seal
 from protocol.identity import Identity
 from protocol.messages import (
@@ -42,8 +41,9 @@ from protocol.messages import (
     RunControl,
     RunRecord,
 )
+from protocol.net.dht_client import DHTClient, dht_time
+from protocol.net.store import ObjectStore, StoreError
 from protocol.schema import ProtocolError
-from protocol.store import ObjectStore, StoreError
 
 log = logging.getLogger(__name__)
 ACTIVE = ("pending", "running", "stopping")

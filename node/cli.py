@@ -7,7 +7,7 @@ crucible-node identity                        print this host's peer id (creatin
 Every input is checked before torch and hivemind are imported (they take seconds) and before anything
 starts; `join` then checks this host (key file, ports, device), then the store (required: every stage syncs
 through it) and the bootstrap peer (node/preflight.py). A mistake ends with one line that names the flag or
-config key, the value, what is wrong and an example, and exit code 2 (protocol/cli_errors.py); `--debug`
+config key, the value, what is wrong and an example, and exit code 2 (protocol/process/cli_errors.py); `--debug`
 shows the traceback instead.
 """
 
@@ -24,7 +24,9 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import IO, Any
 
-from protocol.cli_errors import (
+from protocol.identity import Identity, SignatureError
+from protocol.messages import MAX_PRICE_PER_HOUR
+from protocol.process.cli_errors import (
     EXAMPLE_MULTIADDR,
     EXAMPLE_PEER_ID,
     ArgumentParser,
@@ -37,10 +39,8 @@ from protocol.cli_errors import (
     load_toml,
     run_cli,
 )
-from protocol.identity import Identity, SignatureError
-from protocol.logs import LOG_FORMATS, LOG_LEVELS, setup_logging, version
-from protocol.messages import MAX_PRICE_PER_HOUR
-from protocol.signals import install_stop_signals
+from protocol.process.logs import LOG_FORMATS, LOG_LEVELS, setup_logging, version
+from protocol.process.signals import install_stop_signals
 
 log = logging.getLogger("crucible.node")
 
@@ -471,7 +471,7 @@ def cmd_bootstrap(args: argparse.Namespace) -> int:
     _logging(args.log_level, args.log_format)
     import threading
 
-    from protocol.dht_client import DHTClient
+    from protocol.net.dht_client import DHTClient
 
     try:
         dht = DHTClient(ident, host=args.host, port=port)
@@ -521,7 +521,7 @@ def preflight_join(st: JoinSettings) -> tuple[Identity, IO[str] | None]:
         except DeviceError as e:
             raise UsageError(str(e).replace("--device", st.label("node", "device"), 1)) from e
     # this host first (key, ports, device), then the network: the store, the bootstrap peer
-    from protocol.store import StoreConfig
+    from protocol.net.store import StoreConfig
 
     store = {k: v for (section, k), v in st.values.items() if section == "store"}
     labels = {s.key: st.label("store", s.key) for s in SETTINGS if s.section == "store"}
@@ -537,7 +537,7 @@ def cmd_join(args: argparse.Namespace) -> int:
 
     # the heavy part: torch, hivemind
     from node.daemon import NodeConfig, NodeDaemon
-    from protocol.dht_client import BootstrapError
+    from protocol.net.dht_client import BootstrapError
     from protocol.schema import SchemaError, from_dict
 
     try:

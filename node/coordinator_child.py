@@ -20,7 +20,7 @@ import threading
 import time
 from pathlib import Path
 
-from protocol.signals import die_with_parent
+from protocol.process.signals import die_with_parent
 
 log = logging.getLogger(__name__)
 

@@ -17,21 +17,20 @@ from pathlib import Path
 
 import torch
 
-from node.acceptor import Acceptor
 from node.coordinator_child import CoordinatorChild
-from node.data import DataError, DataSource
+from node.data.corpus import DataError, DataSource
 from node.device import DeviceError, describe, free_memory_bytes, resolve_device, resolve_precision
 from node.health import HealthServer
-from node.link_probe import LinkMeasure, ProbeError, probe_peer
 from node.metrics import NodeMetrics, node_families
+from node.pipeline.acceptor import Acceptor
+from node.pipeline.link_probe import LinkMeasure, ProbeError, probe_peer
+from node.pipeline.transport import LinkError, Shaper, listen
 from node.preflight import refuse_if_taken, refuse_live_twin
 from node.probe import device_name, measure_reference_block, measure_store_mbps, measure_tflops, memory_gb
-from node.transport import LinkError, Shaper, listen
 from node.worker import LN2, StageWorker, WorkerMetrics
 from protocol import keys
 from protocol.assignment_archive import MAX_ARCHIVE_BYTES, archive_slot, decode_archive
 from protocol.delegation import OperatorTrust, RefusalLog
-from protocol.dht_client import DHTClient, dht_time
 from protocol.identity import Identity, public_key_of_peer_id
 from protocol.memory import GB, fits, stage_memory
 from protocol.messages import (
@@ -43,9 +42,10 @@ from protocol.messages import (
     NodeAdvert,
     RunRecord,
 )
-from protocol.metrics import render
+from protocol.net.dht_client import DHTClient, dht_time
+from protocol.net.store import ObjectStore, StoreConfig, StoreError
+from protocol.process.metrics import render
 from protocol.schema import ProtocolError, check_range
-from protocol.store import ObjectStore, StoreConfig, StoreError
 
 log = logging.getLogger(__name__)
 VERSION = "0.1.0"

@@ -1,4 +1,4 @@
-"""Health and metrics over HTTP (protocol/http_server.py: capped connections, a deadline per request).
+"""Health and metrics over HTTP (protocol/process/http_server.py: capped connections, a deadline per request).
 
 GET /health  -> {"status": "ok", "peer_id": ..., "state": ...}
 GET /status  -> the node's advert fields, its assignment, the last one it ignored and why
@@ -14,8 +14,8 @@ from collections.abc import Callable
 
 from aiohttp import web
 
-from protocol.http_server import GuardedHTTPServer, check_query
-from protocol.metrics import CONTENT_TYPE
+from protocol.process.http_server import GuardedHTTPServer, check_query
+from protocol.process.metrics import CONTENT_TYPE
 
 
 class HealthServer(GuardedHTTPServer):

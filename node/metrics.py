@@ -16,7 +16,7 @@ from dataclasses import dataclass, field
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
 
 from node.worker import WorkerMetrics
-from protocol.metrics import gauge, http_families, rejected_family, store_families
+from protocol.process.metrics import gauge, http_families, rejected_family, store_families
 
 Labels = tuple[str, str, str]
 """(run, replica, stage) as label values."""

@@ -4,7 +4,7 @@ Before anything heavy starts (this module imports neither torch nor hivemind; bo
 checked): no other process on this host runs with the key file, the listen address and ports are free,
 the store answers and takes a write, a bootstrap peer answers. After the DHT is joined: no live process
 elsewhere holds this node's peer id. Every network check has a short timeout. A failed check raises
-`UsageError` (protocol/cli_errors.py): exit 2, one line.
+`UsageError` (protocol/process/cli_errors.py): exit 2, one line.
 """
 
 from __future__ import annotations
@@ -21,12 +21,12 @@ from pathlib import Path
 from typing import IO, TYPE_CHECKING
 
 from protocol import keys
-from protocol.cli_errors import UsageError, bad_input, check_port_free, check_reachable, one_line
 from protocol.messages import NodeAdvert
+from protocol.process.cli_errors import UsageError, bad_input, check_port_free, check_reachable, one_line
 
 if TYPE_CHECKING:
-    from protocol.dht_client import DHTClient
-    from protocol.store import StoreConfig
+    from protocol.net.dht_client import DHTClient
+    from protocol.net.store import StoreConfig
 
 log = logging.getLogger(__name__)
 
@@ -140,7 +140,7 @@ def check_store(
     deleted. `labels` name each StoreConfig field as the user gave it (flag or config key)."""
     import botocore.exceptions
 
-    from protocol.store import ObjectStore, StoreError
+    from protocol.net.store import ObjectStore, StoreError
 
     endpoint, url = labels["endpoint_url"], cfg.endpoint_url
     creds = f"{labels['access_key']} / {labels['secret_key']}"

@@ -10,7 +10,7 @@ import psutil
 import torch
 
 from node.device import synchronize
-from protocol.store import ObjectStore, StoreError
+from protocol.net.store import ObjectStore, StoreError
 
 
 def device_name(device: torch.device) -> str:

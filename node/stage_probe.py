@@ -36,9 +36,9 @@ from node.device import resolve_precision
 from node.inner_step import inner_step, make_optimizer, prepare_stage
 from node.model import Stage, build_stage, lm_loss
 from node.subspace_model import boundary_codecs, constrain_stage
+from protocol.codecs.subspace import SubspaceBoundary
 from protocol.runspec import RunSpec
 from protocol.schema import from_dict
-from protocol.subspace import SubspaceBoundary
 
 
 @dataclass

@@ -2,7 +2,7 @@
 
 Subspace Networks (arXiv 2506.01260, "Subspace Networks: Scaling Decentralized Training with
 Communication-Efficient Model Parallelism"). A link of width k_b sends Z = (X - T[x]) U_b with
-U_b = U[:, :k_b] (protocol/subspace.py); the receiver's X_hat = Z U_b^T + T[x] equals X exactly iff the
+U_b = U[:, :k_b] (protocol/codecs/subspace.py); the receiver's X_hat = Z U_b^T + T[x] equals X exactly iff the
 residual stream minus T[x] lies in span(U_b). The residual at boundary b is
 
     X_b = E[x] + T[x] + sum_{layers l before b} (attn.wo_l(...) + mlp.w_down_l(...))
@@ -35,8 +35,7 @@ from typing import Literal
 import torch
 
 from node.model import Stage
-from protocol.runspec import ModelSpec, PipelineSpec
-from protocol.subspace import (
+from protocol.codecs.subspace import (
     ActivationCodec,
     SubspaceBoundary,
     SubspacePlan,
@@ -44,6 +43,7 @@ from protocol.subspace import (
     subspace_plan,
     token_table,
 )
+from protocol.runspec import ModelSpec, PipelineSpec
 
 Side = Literal["out", "rows"]
 """How a weight writes the residual: nn.Linear (d, n) output columns ("out": W <- U U^T W) or embedding
@@ -233,7 +233,7 @@ def boundary_codecs(
     ranges: list[tuple[int, int]],
     stage_index: int,
 ) -> tuple[SubspaceBoundary | None, SubspaceBoundary | None]:
-    """(codec_in, codec_out) for node/schedule.py's PipelineStage: the links before and after this stage
+    """(codec_in, codec_out) for node/pipeline/schedule.py's PipelineStage: the links before and after this stage
     (None at the ends), each plan.wire_k[b] wide. Compressed links use the stage's U[:, :k] and T, so call
     constrain_stage first."""
     plan = subspace_plan(model_spec, pipeline_spec, ranges)

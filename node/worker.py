@@ -16,8 +16,7 @@ from dataclasses import asdict, dataclass, field
 
 import torch
 
-from node.acceptor import Acceptor
-from node.data import DataSource
+from node.data.corpus import DataSource
 from node.device import describe, resolve_precision
 from node.inner_step import (
     inner_step,
@@ -27,19 +26,20 @@ from node.inner_step import (
     prepare_stage,
 )
 from node.model import build_stage
-from node.outer_sync import LocalState, OuterSync
-from node.schedule import PipelineStage
-from node.sparseloco_sync import make_sync_parts
-from node.stage_checkpoints import StageCheckpoints
+from node.pipeline.acceptor import Acceptor
+from node.pipeline.schedule import PipelineStage
+from node.pipeline.transport import Link, Shaper, connect
 from node.subspace_model import boundary_codecs, confinement, constrain_stage, project_weights_
-from node.transport import Link, Shaper, connect
+from node.sync.outer_sync import LocalState, OuterSync
+from node.sync.sparseloco_sync import make_sync_parts
+from node.sync.stage_checkpoints import StageCheckpoints
 from protocol import keys
 from protocol.checkpoint import Checkpoint
 from protocol.envelope import seal
 from protocol.framing import encode_frame
 from protocol.identity import Identity
 from protocol.messages import Assignment, Hello
-from protocol.store import ObjectStore
+from protocol.net.store import ObjectStore
 
 log = logging.getLogger(__name__)
 LN2 = math.log(2)
@@ -60,7 +60,7 @@ class WorkerMetrics:
     """The last inner step's training loss, bits per token: the mean cross-entropy in nats over ln 2 (a
     token is a byte without a tokenizer). Only a replica's last stage computes it; None elsewhere."""
     validation_loss_bits_per_byte: float | None = None
-    """The last validation loss, bits per byte of text whatever the tokenizer (node/tokenizer.py)."""
+    """The last validation loss, bits per byte of text whatever the tokenizer (node/data/tokenizer.py)."""
     val_history: list[tuple[int, float]] = field(default_factory=list)
     """(step, validation loss in bits per byte) of every validation."""
     tokens_per_s: float = 0.0

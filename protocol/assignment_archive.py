@@ -18,9 +18,9 @@ from protocol.envelope import open_envelope, seal
 from protocol.identity import Identity
 from protocol.messages import Assignment
 from protocol.msgpack_limits import unpack_bounded
+from protocol.net.store import ObjectStore, StoreError
 from protocol.runspec import RunSpec
 from protocol.schema import ProtocolError
-from protocol.store import ObjectStore, StoreError
 
 log = logging.getLogger(__name__)
 

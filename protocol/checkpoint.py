@@ -46,8 +46,7 @@ from protocol import keys
 from protocol.envelope import open_envelope, seal
 from protocol.identity import Identity, SignatureError, peer_id_of
 from protocol.messages import CheckpointManifest, CheckpointPointer
-from protocol.schema import ProtocolError, describe
-from protocol.store import (
+from protocol.net.store import (
     DEFAULT_PART_BYTES,
     ObjectChanged,
     ObjectStore,
@@ -55,6 +54,7 @@ from protocol.store import (
     StoreError,
     check_part_bytes,
 )
+from protocol.schema import ProtocolError, describe
 
 log = logging.getLogger(__name__)
 

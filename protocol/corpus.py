@@ -8,7 +8,7 @@ sha256 of those bytes. Names are relative, so a folder and its copy in the store
 In the store the manifest lies beside the shards, at `{prefix}/crucible-manifest.jsonl`, and the shards at
 `{prefix}/{name}`: a node reads the manifest first (and refuses a corpus whose manifest is not the one the
 spec names, before fetching any shard), then checks each shard's size and sha256 as it reads it.
-Pure functions: the node does the reading (node/corpus_store.py).
+Pure functions: the node does the reading (node/data/corpus_store.py).
 """
 
 from __future__ import annotations
@@ -126,7 +126,7 @@ def parse_manifest(data: bytes, where: str) -> list[ShardEntry]:
     if canonical != data:
         raise ManifestError(
             f"{where} is not in canonical form (sorted by name, one compact JSON list per line, '\\n' "
-            "after each): write it with node.corpus_store.publish_corpus"
+            "after each): write it with node.data.corpus_store.publish_corpus"
         )
     if not entries:
         raise ManifestError(f"{where} lists no shard")

@@ -10,7 +10,7 @@ path) or in "bf16" (bf16 autocast over fp32 master weights and fp32 AdamW state,
     + anchor 4 + error feedback 4 (SparseLoCo only)            # outer sync, fp32 on the device
     + captured theta 4 x (share of fragments pending, tau > 0) + outer momentum 4 (outer_momentum > 0)
 
-Autocast copies. A matmul saves the bf16 copy of its weight for the backward. `node/schedule.py` runs
+Autocast copies. A matmul saves the bf16 copy of its weight for the backward. `node/pipeline/schedule.py` runs
 a step's microbatches inside one autocast region, whose cache casts each matmul weight once per step, so
 however many microbatches are in flight the stage holds one bf16 copy of its matmul weights (the
 embedding and the norm gains are not cast). (Measured on an H200: with a region per forward, six
@@ -35,7 +35,7 @@ casts its activation input anew. For the Llama-3-8B shape, f = 3.5 d, that is 64
 Korthikanti's 34 h: SwiGLU and fp32 norms cost more than GeLU and 16-bit norms.
 
 A stage keeps the activations of every microbatch in flight. Stage s of S under 1F1B with
-`extra_in_flight` e (node/schedule.py) runs `w = min(S - s - 1 + e, M)` warm-up forwards (0 on the last
+`extra_in_flight` e (node/pipeline/schedule.py) runs `w = min(S - s - 1 + e, M)` warm-up forwards (0 on the last
 stage), so `min(w + 1, M)` microbatch graphs are alive when the first backward runs. Beside its layers a
 non-last stage keeps each microbatch's fp32 output (4 d per token); the last stage keeps its final norm
 and the fp32 cross-entropy of its one microbatch: log-softmax of the (b, L, V) logits (4 V per token,
@@ -142,7 +142,7 @@ def captured_share(H: int, P: int, tau: int) -> float:
     """Share of a stage's parameters held as captured theta during the inner steps.
 
     Fragment f is captured at c_f = (f + 1) q, q = floor(H / P), and applied tau steps later
-    (node/outer_sync.py); captures come every q steps, so at most ceil(tau / q) of the P fragments (each
+    (node/sync/outer_sync.py); captures come every q steps, so at most ceil(tau / q) of the P fragments (each
     ~1/P of the parameters, dealt round-robin) are pending at once. tau = 0 applies at capture: none."""
     if tau <= 0:
         return 0.0
@@ -151,7 +151,7 @@ def captured_share(H: int, P: int, tau: int) -> float:
 
 
 def in_flight(S: int, s: int, extra_in_flight: int, M: int) -> int:
-    """Microbatch graphs alive at once on stage s of S under 1F1B (node/schedule.py)::
+    """Microbatch graphs alive at once on stage s of S under 1F1B (node/pipeline/schedule.py)::
 
     w = 0 on the last stage, else min(S - s - 1 + extra_in_flight, M);  alive = min(w + 1, M)
     """
@@ -289,7 +289,7 @@ def stage_memory(spec: RunSpec, stage: int, precision: str) -> StageMemory:
         weights=params * t["weights"],
         grads=params * t["grads"],
         optimizer=params * t["adamw"],
-        # node/schedule.py runs a step's microbatches in one autocast region: one cached copy per step
+        # node/pipeline/schedule.py runs a step's microbatches in one autocast region: one cached copy per step
         autocast_copies=matmul * t["autocast_copy"] if precision == "bf16" else 0,
         outer_state=round(params * outer_bytes_per_param(sync.method, sync.outer_momentum, share)),
         activations=activation_bytes(

@@ -31,7 +31,7 @@ MAX_RTT_MS = 1e6
 """Round trips longer than 1000 s are not measurements."""
 MAX_TEXT = 256
 MAX_PROBE_BYTES = 16 << 20
-"""A bandwidth probe sends at most this much (node/link_probe.py)."""
+"""A bandwidth probe sends at most this much (node/pipeline/link_probe.py)."""
 MAX_FORMER_PEERS = 64
 MAX_REPLICAS = 1 << 16
 """RunSpec's bound on R."""
@@ -360,7 +360,7 @@ class Hello:
     sent_at: float = 0.0
     """Unix time the hello was signed: the recipient refuses one outside its skew window, or seen before."""
     probe_bytes: int = 0
-    """> 0: not a pipeline link but a bandwidth probe of this many bytes (node/link_probe.py)."""
+    """> 0: not a pipeline link but a bandwidth probe of this many bytes (node/pipeline/link_probe.py)."""
 
     def __post_init__(self) -> None:
         check_run_id("Hello.run_id", self.run_id)

@@ -6,7 +6,7 @@ into the rate the node sustains on real training work, in its FLOPs convention,
 
     sustained = (6 P_layer + coef d s) x batch s / ref_block_s          # FLOP/s
 
-and scales it to any run's stages by their FLOPs per token (coordinator/plan_inputs.py). Unlike a
+and scales it to any run's stages by their FLOPs per token (coordinator/plan/inputs.py). Unlike a
 matmul's peak it includes what a training step really pays: attention, norms, SwiGLU, autograd.
 
 Two shapes: a GPU's small products are launch-bound, a CPU would take seconds on a GPU's shape.

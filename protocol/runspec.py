@@ -203,7 +203,7 @@ class SyncSpec:
     """How arrived contributions are averaged: "mean" over arrivals (the paper) or "per_coordinate",
     each coordinate divided by the number of replicas that sent it (Templar; see docs/benchmarks.md)."""
     robust: Literal["none", "clip_median", "trimmed"] = "trimmed"
-    """Bound on one replica's influence on Delta_bar (DESIGN section 10; node/aggregation.py):
+    """Bound on one replica's influence on Delta_bar (DESIGN section 10; node/sync/aggregation.py):
     "trimmed" = clamp each value to max_abs_ratio x the round's median peak, clip each contribution's
     norm to max_norm_ratio x the round's median norm, leave out contributions that point away from the
     others (min_agreement), then a coordinate-wise trimmed mean (the median of 3 senders, the middle two
@@ -289,7 +289,7 @@ class PipelineSpec:
     wire_max_abs: float = 1e6
     """Largest |value| of an activation or activation-gradient on a link: a sender refuses to send more, a
     receiver rejects it (a diverged or hostile neighbour). Honest values stay far below 1e6; see
-    `protocol.subspace.MAX_ABS`."""
+    `protocol.codecs.subspace.MAX_ABS`."""
     bandwidth_mbps: float = 0.0
     """In-process link shaper: bandwidth per direction in Mbit/s (0 = unshaped)."""
     delay_ms: float = 0.0

@@ -33,11 +33,11 @@ from typing import Any
 
 import torch
 
-from node.data import Corpus
-from node.sparseloco_sync import make_sync_parts
+from node.data.corpus import Corpus
+from node.sync.sparseloco_sync import make_sync_parts
 from protocol.identity import Identity
+from protocol.net.store import ObjectStore, StoreConfig
 from protocol.runspec import ModelSpec, SyncSpec, TrainSpec
-from protocol.store import ObjectStore, StoreConfig
 from scripts.bench_quality import ATTACKS, Attack, Result, Setup, arm_spec, parse_rounds, run_outer
 from scripts.bench_subspace_quality import bench_model
 
@@ -143,7 +143,7 @@ def main(argv: list[str] | None = None) -> int:
     log.setLevel(logging.INFO)
     logging.getLogger("werkzeug").setLevel(logging.ERROR)
     counter = _Counter()
-    agg_log = logging.getLogger("node.sparseloco_sync")
+    agg_log = logging.getLogger("node.sync.sparseloco_sync")
     agg_log.addHandler(counter)
     agg_log.setLevel(logging.WARNING)
     agg_log.propagate = False  # one warning per bounded contribution per replica: counted, not printed

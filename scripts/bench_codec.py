@@ -9,7 +9,7 @@ pseudo-gradients have). Encode = compress + sign + frame; decode = verify + pars
 tensors. Throughput is GB/s of fp32 parameters on one core (torch and numpy limited to one thread), the
 median of `--repeats` warm runs. The baseline keeps the same top-k but sends 12-bit indices and one int8
 byte per value (per-tensor scale). The device row times the same compression on `--device`
-(protocol/sparseloco_device.py: compress_device, and the in-place error-feedback step) against the numpy
+(protocol/codecs/sparseloco_device.py: compress_device, and the in-place error-feedback step) against the numpy
 reference `compress`, both ending with the fragment's arrays on the host. A table goes to stderr and one
 JSON line, last, to stdout.
 """
@@ -30,10 +30,10 @@ os.environ.setdefault("OMP_NUM_THREADS", "1")  # before numpy/torch load their t
 import numpy as np  # noqa: E402
 import torch  # noqa: E402
 
+from protocol.codecs.sparseloco import SparseLoCoConfig, compress, decompress  # noqa: E402
+from protocol.codecs.sparseloco_device import compress_device, error_feedback_step_device  # noqa: E402
+from protocol.codecs.sparseloco_format import FragmentHeader, decode_fragment, encode_fragment  # noqa: E402
 from protocol.identity import Identity  # noqa: E402
-from protocol.sparseloco import SparseLoCoConfig, compress, decompress  # noqa: E402
-from protocol.sparseloco_device import compress_device, error_feedback_step_device  # noqa: E402
-from protocol.sparseloco_format import FragmentHeader, decode_fragment, encode_fragment  # noqa: E402
 
 WIDTHS = {"1M": 256, "16M": 1024, "64M": 2048}
 

@@ -13,14 +13,14 @@ codecs, nothing that signs or talks to a DHT or a store.
    d_ff 14336, plain MHA), microbatch `--microbatch` x seq `--seq`, trained through `node.inner_step`
    (the worker's own step: fused AdamW, clipping, bf16 autocast over fp32 master weights; torch.compile
    on CUDA unless --no-compile). MFU = tokens/s x (6 N_stage + 12 l d s) / peak, peak from
-   coordinator/accelerators.py (the datasheet's dense bf16 figure; on the CPU a measured matmul).
-2. sparseloco: `protocol.sparseloco_device.error_feedback_step_device` on an `--ef-params`-parameter stage
+   coordinator/plan/accelerators.py (the datasheet's dense bf16 figure; on the CPU a measured matmul).
+2. sparseloco: `protocol.codecs.sparseloco_device.error_feedback_step_device` on an `--ef-params`-parameter stage
    of 8B-shaped matrices: seconds from (e, Delta) on the device to kept indices and codes on the host;
    then, separately, the host's Golomb coding (`pack_payload`), and how many inner steps of such a stage
    that coding needs (it runs on the I/O thread during the tau steps of overlap); an inner step is M
    (--M) microbatches at part 1's time per microbatch, scaled to the stage's parameters. Also checks that the same
    fragment decodes bit-identically on the device and on the CPU, and aggregates identically.
-3. pipeline: two stage processes sharing the device, over loopback TCP through `node.transport.Link`,
+3. pipeline: two stage processes sharing the device, over loopback TCP through `node.pipeline.transport.Link`,
    subspace links k = d/8 with bfloat16 on the wire, the transport's shaper at --bandwidth-mbps per
    direction + --delay-ms one way against the same pair unshaped: tax = 1 - tokens/s(shaped) /
    tokens/s(unshaped). M microbatches per step, extra_in_flight as given.
@@ -44,20 +44,20 @@ from typing import Any
 
 import torch
 
-from coordinator.accelerators import ACCELERATORS, measure_cpu_tflops
-from coordinator.planner import ATTENTION_COEF_PALM, ModelShape
-from node.aggregation import AggregationConfig, aggregate
+from coordinator.plan.accelerators import ACCELERATORS, measure_cpu_tflops
+from coordinator.plan.planner import ATTENTION_COEF_PALM, ModelShape
 from node.device import describe, resolve_device, resolve_precision, synchronize
 from node.inner_step import inner_step, make_optimizer, prepare_stage
 from node.model import Stage, build_stage
-from node.schedule import PipelineStage
+from node.pipeline.schedule import PipelineStage
+from node.pipeline.transport import Link, Shaper, connect, listen
 from node.subspace_model import boundary_codecs, constrain_stage
-from node.transport import Link, Shaper, connect, listen
+from node.sync.aggregation import AggregationConfig, aggregate
+from protocol.codecs.sparseloco import SparseLoCoConfig, decompress, error_feedback_step
+from protocol.codecs.sparseloco_device import decompress_to, error_feedback_step_device
+from protocol.codecs.sparseloco_format import pack_payload
 from protocol.memory import GB, stage_memory
 from protocol.runspec import ModelSpec, PipelineSpec, RunSpec, TrainSpec
-from protocol.sparseloco import SparseLoCoConfig, decompress, error_feedback_step
-from protocol.sparseloco_device import decompress_to, error_feedback_step_device
-from protocol.sparseloco_format import pack_payload
 
 ROOT = Path(__file__).resolve().parents[1]
 READY = "BENCH-GPU-STAGE1-READY"

@@ -7,8 +7,8 @@
 
 A 2-stage pipeline of the small Llama (d=256, 4 layers, 4 heads, d_ff=688, seq 256; layers 0-1 + embedding
 on stage 0, layers 2-3 + head on stage 1) trains with AdamW on standard-library byte batches. Stage 0 runs
-in this process, stage 1 in a child OS process; they talk over real TCP (node/transport.py `Link`), one
-message per microbatch per direction (protocol/subspace.py wire format). Each microbatch is b=8
+in this process, stage 1 in a child OS process; they talk over real TCP (node/pipeline/transport.py `Link`), one
+message per microbatch per direction (protocol/codecs/subspace.py wire format). Each microbatch is b=8
 sequences of L=256 tokens; a step is M microbatches (batch M*b) inside the worker's own inner step
 (node/inner_step.py: the run's lr schedule with peak --lr over --steps, project_grads_, clipping to the
 run's train.grad_clip, AdamW, project_weights_), on each stage. One torch thread per process.
@@ -43,7 +43,7 @@ dominate (shaped_dense runs at under half the unshaped speed); at k=32 it is 264
 microbatches per step amortize what no schedule hides inside a synchronous step: the first forward and
 the last gradient each cross the link once per step (~2 (106 + 10) ms). --extra-in-flight 2 lets stage 0
 run two forwards further ahead than 1F1B, which covers the per-microbatch round trip of
-2 (tx + delay) (node/schedule.py; --compare-1f1b measures plain 1F1B next to it).
+2 (tx + delay) (node/pipeline/schedule.py; --compare-1f1b measures plain 1F1B next to it).
 """
 
 from __future__ import annotations
@@ -67,16 +67,16 @@ from typing import Any
 
 import torch
 
-from node.data import Corpus
+from node.data.corpus import Corpus
 from node.device import resolve_precision
 from node.inner_step import inner_step, make_optimizer, prepare_stage
 from node.model import Stage, build_stage
-from node.schedule import PipelineStage, StepStats
+from node.pipeline.schedule import PipelineStage, StepStats
+from node.pipeline.transport import Link, LinkError, Shaper, connect, listen
 from node.subspace_model import boundary_codecs, constrain_stage
-from node.transport import Link, LinkError, Shaper, connect, listen
+from protocol.codecs.subspace import Kind
 from protocol.framing import recv_frame, send_frame
 from protocol.runspec import ModelSpec, PipelineSpec, RunSpec, TrainSpec
-from protocol.subspace import Kind
 
 ROOT = Path(__file__).resolve().parents[1]
 MODEL = ModelSpec(d_model=256, n_layers=4, n_heads=4, d_ff=688, seq_len=256)

@@ -32,7 +32,7 @@ import sys
 import time
 
 from coordinator.placement import CostModel, Placement, place, placement_layout
-from coordinator.planner import predict
+from coordinator.plan.planner import predict
 from protocol.messages import NodeAdvert
 
 TIERS = (80.0, 150.0, 312.0, 990.0)

@@ -24,8 +24,8 @@ replica r draws batch (data_seed, r, step) in every arm, so every method sees th
                 P = floor(H / (tau + 1)); at H = 5 that is P = 2 for tau = 1 and P = 1 for tau = 2.
 
 Every inner step is the worker's (node/inner_step.py: lr schedule, clipping, AdamW) under a `TrainSpec`
-built from the flags. The outer loops are the real `node.outer_sync.OuterSync` with the codecs and
-aggregation that `node.sparseloco_sync.make_sync_parts` builds for the swarm, talking to an in-process S3
+built from the flags. The outer loops are the real `node.sync.outer_sync.OuterSync` with the codecs and
+aggregation that `node.sync.sparseloco_sync.make_sync_parts` builds for the swarm, talking to an in-process S3
 server (moto) on loopback; replicas are stepped in lockstep (capture phase for all, then apply phase for
 all). The figure is validation bits-per-byte (mean cross-entropy / ln 2; byte vocabulary) of the
 consensus weights on the held-out tail of the corpus, as a table on stderr and one JSON line last on stdout.
@@ -53,17 +53,17 @@ from typing import Any
 import numpy as np
 import torch
 
-from node.data import Corpus
+from node.data.corpus import Corpus
 from node.device import resolve_precision
 from node.inner_step import inner_step, make_optimizer, prepare_stage
 from node.model import Stage, build_full_model, lm_loss
-from node.outer_sync import Encoding, FragmentId, OuterSync
-from node.sparseloco_sync import SparseLoCoCodec, make_sync_parts
+from node.sync.outer_sync import Encoding, FragmentId, OuterSync
+from node.sync.sparseloco_sync import SparseLoCoCodec, make_sync_parts
+from protocol.codecs.sparseloco import CompressedFragment, SparseLoCoConfig, decompress
+from protocol.codecs.sparseloco_format import decode_fragment, encode_fragment
 from protocol.identity import Identity
+from protocol.net.store import ObjectStore, StoreConfig
 from protocol.runspec import ModelSpec, RunSpec, SyncSpec, TrainSpec
-from protocol.sparseloco import CompressedFragment, SparseLoCoConfig, decompress
-from protocol.sparseloco_format import decode_fragment, encode_fragment
-from protocol.store import ObjectStore, StoreConfig
 from scripts.bench_subspace_quality import bench_model
 
 ARMS = ("adamw", "diloco", "sparseloco", "stream_tau1", "stream_tau2")

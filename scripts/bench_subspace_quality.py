@@ -24,13 +24,13 @@ from functools import partial
 
 import torch
 
-from node.data import Corpus
+from node.data.corpus import Corpus
 from node.device import resolve_precision
 from node.inner_step import inner_step, lr_at, make_optimizer, prepare_stage
 from node.model import Stage, build_stage, lm_loss
 from node.subspace_model import boundary_codecs, constrain_stage, off_subspace
+from protocol.codecs.subspace import SubspaceBoundary
 from protocol.runspec import ModelSpec, PipelineSpec, RunSpec, TrainSpec
-from protocol.subspace import SubspaceBoundary
 
 CPU = torch.device("cpu")
 

@@ -29,13 +29,13 @@ from dataclasses import dataclass
 
 import torch
 
-from node.data import Corpus
-from node.outer_sync import OuterSync
-from node.sparseloco_sync import SparseLoCoCodec, make_sync_parts
+from node.data.corpus import Corpus
 from node.subspace_model import Confinement, confinement, project_weights_
+from node.sync.outer_sync import OuterSync
+from node.sync.sparseloco_sync import SparseLoCoCodec, make_sync_parts
 from protocol.identity import Identity
+from protocol.net.store import ObjectStore
 from protocol.runspec import ModelSpec, PipelineSpec, RunSpec, SyncSpec, TrainSpec
-from protocol.store import ObjectStore
 from scripts.bench_subspace_quality import Arm, build_arm, evaluate, train_step
 from scripts.embedded_store import embedded_store
 

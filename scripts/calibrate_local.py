@@ -1,6 +1,6 @@
 """The planner's calibration step for one host, and its prediction of the local swarm (issue #5).
 
-The planner (coordinator/planner.py) predicts GPU pools from datasheet peaks. The local swarm runs
+The planner (coordinator/plan/planner.py) predicts GPU pools from datasheet peaks. The local swarm runs
 N = R x S node processes, one torch thread each, on the C cores of one machine, so three things are
 measured here before its prediction means anything:
 
@@ -59,10 +59,9 @@ import time
 from collections.abc import Sequence
 from dataclasses import dataclass, replace
 
-from coordinator.accelerators import measure_cpu_tflops
-from coordinator.plan_links import shaped_link
-from coordinator.plan_spec import run_settings
-from coordinator.planner import (
+from coordinator.plan.accelerators import measure_cpu_tflops
+from coordinator.plan.links import shaped_link
+from coordinator.plan.planner import (
     HostGroup,
     Layout,
     ModelShape,
@@ -73,6 +72,7 @@ from coordinator.planner import (
     predict,
     stage_work,
 )
+from coordinator.plan.spec import run_settings
 from protocol.runspec import RunSpec, load_run_spec
 from protocol.schema import to_dict
 
@@ -203,7 +203,7 @@ def measure_store(endpoint: str, nbytes: int) -> float:
     """Mbit/s of one PUT and one GET of `nbytes` to the S3 endpoint (bytes moved over the time of both)."""
     import uuid
 
-    from protocol.store import ObjectStore, StoreConfig
+    from protocol.net.store import ObjectStore, StoreConfig
 
     store = ObjectStore(StoreConfig(endpoint_url=endpoint))
     key, data = f"_calibrate/{uuid.uuid4().hex}", os.urandom(nbytes)

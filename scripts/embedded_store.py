@@ -16,7 +16,7 @@ from collections.abc import Iterator
 
 import boto3
 
-from protocol.store import ObjectStore, StoreConfig
+from protocol.net.store import ObjectStore, StoreConfig
 
 
 @contextlib.contextmanager

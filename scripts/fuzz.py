@@ -629,7 +629,7 @@ class FrameTarget(Target):
 
 class SparseLoCoTarget(Target):
     """`decode_fragment` (FragmentError and subclasses: ProtocolError). With `expect`, it decodes as the node
-    does (node/sparseloco_sync.py: the slot's signer trusted, the expected header, max_params = the stage's
+    does (node/sync/sparseloco_sync.py: the slot's signer trusted, the expected header, max_params = the stage's
     size) and decompresses what it accepts."""
 
     _SHAPES: tuple[object, ...] = (
@@ -640,8 +640,8 @@ class SparseLoCoTarget(Target):
     def __init__(self, *, expect: bool) -> None:
         import torch
 
-        from protocol import sparseloco_format as fmt
-        from protocol.sparseloco import SparseLoCoConfig, compress
+        from protocol.codecs import sparseloco_format as fmt
+        from protocol.codecs.sparseloco import SparseLoCoConfig, compress
 
         self.name = "sparseloco_expect" if expect else "sparseloco"
         self.expect, self.fmt = expect, fmt
@@ -704,7 +704,7 @@ class SparseLoCoTarget(Target):
     def decode(self, x: tuple[bytes, int]) -> str:
         import numpy as np
 
-        from protocol.sparseloco import decompress
+        from protocol.codecs.sparseloco import decompress
 
         data, i = x
         if not self.expect:
@@ -729,7 +729,7 @@ class DenseTarget(Target):
     def __init__(self) -> None:
         import torch
 
-        from protocol.dense_fragment import DenseFragment, encode_dense
+        from protocol.codecs.dense_fragment import DenseFragment, encode_dense
 
         self.identity = _identity("owner")
         self.header = {"run_id": "r1", "stage": 0, "fragment": 1, "round": 3, "replica": 1}
@@ -762,7 +762,7 @@ class DenseTarget(Target):
 
     def flood(self, nbytes: int, fill: Callable[[int], bytes]) -> tuple[bytes, int]:
         """A fragment signed by the expected signer whose payload (the fragment's body) is the fill."""
-        from protocol.dense_fragment import MAX_DENSE_FRAGMENT_BYTES
+        from protocol.codecs.dense_fragment import MAX_DENSE_FRAGMENT_BYTES
         from protocol.envelope import seal_payload
 
         size = min(nbytes, MAX_DENSE_FRAGMENT_BYTES) - 200
@@ -774,7 +774,7 @@ class DenseTarget(Target):
         return seal_payload(seed.identity, seed.kind, pack(seed.body))
 
     def decode(self, x: tuple[bytes, int]) -> str:
-        from protocol.dense_fragment import decode_dense
+        from protocol.codecs.dense_fragment import decode_dense
 
         data, i = x
         decode_dense(data, self.header, self._seeds[i][1], self.identity.peer_id)
@@ -790,7 +790,7 @@ class SubspaceTarget(Target):
     def __init__(self) -> None:
         import torch
 
-        from protocol.subspace import ActivationCodec, Kind
+        from protocol.codecs.subspace import ActivationCodec, Kind
 
         g = torch.Generator().manual_seed(2)
         cases = [  # codec, kind, b, decode's b and kinds
@@ -855,7 +855,7 @@ class ValidatorTarget(Target):
         from hivemind.dht.validation import DHTRecord
 
         from protocol import keys
-        from protocol.dht_validator import LAYOUT, SignedSubkeyValidator, dht_key_id
+        from protocol.net.dht_validator import LAYOUT, SignedSubkeyValidator, dht_key_id
 
         self.DHTRecord, self.layout = DHTRecord, LAYOUT
         self.validator = SignedSubkeyValidator(clock=lambda: NOW)
@@ -949,9 +949,9 @@ class ValidatorTarget(Target):
 
     def _check_admitted(self, x: Any) -> None:
         """The module docstring's rules, restated: a subkey naming the signer, no later than signed."""
-        from protocol.dht_validator import MAX_RECORD_TTL_S
         from protocol.envelope import verified_header
         from protocol.identity import peer_id_of
+        from protocol.net.dht_validator import MAX_RECORD_TTL_S
 
         subkey = msgpack.unpackb(x.subkey, raw=False)
         header = verified_header(msgpack.unpackb(x.value, raw=False))

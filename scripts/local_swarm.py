@@ -35,9 +35,9 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING
 
-from node.corpus_files import CorpusScan, DataError, manifest_of, scan_corpus
-from protocol.cli_errors import UsageError, bad_input, check_file, run_cli
+from node.data.corpus_files import CorpusScan, DataError, manifest_of, scan_corpus
 from protocol.corpus import corpus_sha256, is_store_url
+from protocol.process.cli_errors import UsageError, bad_input, check_file, run_cli
 from scripts.procs import Child, ProcessFailed
 
 if TYPE_CHECKING:
@@ -91,7 +91,7 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     ap = argparse.ArgumentParser(
         prog="crucible-swarm", description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
     )
-    from protocol.logs import version
+    from protocol.process.logs import version
 
     ap.add_argument("--version", action="version", version=f"%(prog)s {version()}")
     ap.add_argument("--replicas", type=int, default=2, help="R: pipeline replicas (default 2)")
@@ -516,8 +516,8 @@ def publish(prep: Prepared, store_url: str) -> None:
     """--data-in-store: the corpus's shards and manifest, and the tokenizer.json, into the store."""
     if prep.upload is None:
         return
-    from node.corpus_store import publish_corpus, publish_tokenizer
-    from protocol.store import ObjectStore, StoreConfig
+    from node.data.corpus_store import publish_corpus, publish_tokenizer
+    from protocol.net.store import ObjectStore, StoreConfig
 
     store = ObjectStore(StoreConfig(endpoint_url=store_url))
     publish_corpus(store, prep.upload, prep.data_url)
@@ -720,7 +720,7 @@ def throughput_report(
     the dashboard's figure) and the local calibration's; the measured MFU, tax and $/Mtok by the
     planner's definitions over the same peaks as the prediction (`planner.figures_at`), else the
     calibration's (the machine's C cores)."""
-    from coordinator.planner import Figures, figures_at
+    from coordinator.plan.planner import Figures, figures_at
 
     spec = tomllib.loads(run_toml.read_text())
     train, sync = spec.get("train", {}), spec.get("sync", {})
@@ -956,7 +956,7 @@ def preflight(args: argparse.Namespace) -> Prepared:
     vocab = None
     tok_url, tok_bytes = "", b""
     if tokenizer:
-        from node.tokenizer import parse_tokenizer
+        from node.data.tokenizer import parse_tokenizer
 
         path = os.path.abspath(os.path.expanduser(tokenizer))
         try:

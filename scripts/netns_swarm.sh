@@ -19,7 +19,7 @@
 #                            (tbf RATE on both egresses: each direction gets RATE)
 #
 # This kernel has no netem, so the one-way delay cannot come from tc: the bench adds it in user space
-# (node/transport.py Shaper.delay_ms, on the receiving side) and runs with --tc-shaped, so its in-process
+# (node/pipeline/transport.py Shaper.delay_ms, on the receiving side) and runs with --tc-shaped, so its in-process
 # shaper paces nothing and tbf alone sets the bandwidth.
 set -euo pipefail
 

@@ -6,10 +6,10 @@ import struct
 
 import torch
 
-from node.outer_sync import FragmentId
+from node.sync.outer_sync import FragmentId
+from protocol.codecs.sparseloco import SparseLoCoConfig, compress
+from protocol.codecs.sparseloco_format import FragmentHeader, encode_fragment, pack_payload, seal_payload
 from protocol.identity import Identity
-from protocol.sparseloco import SparseLoCoConfig, compress
-from protocol.sparseloco_format import FragmentHeader, encode_fragment, pack_payload, seal_payload
 
 KINDS = ["bad-signature", "untrusted-signer", "nan-scale", "truncated"]
 MALLORY = Identity.from_seed(b"\x66" * 32)

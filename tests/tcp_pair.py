@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import socket
 
-from node.transport import connect, listen
+from node.pipeline.transport import connect, listen
 
 
 def socket_pair() -> tuple[socket.socket, socket.socket]:

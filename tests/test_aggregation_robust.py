@@ -13,7 +13,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from node.aggregation import (
+from node.sync.aggregation import (
     AggregationConfig,
     aggregate,
     agreement_screen,
@@ -21,10 +21,10 @@ from node.aggregation import (
     norm,
     trimmed_mean,
 )
-from node.sparseloco_sync import make_sync_parts
+from node.sync.sparseloco_sync import make_sync_parts
+from protocol.codecs.sparseloco import SparseLoCoConfig, compress, decompress
 from protocol.identity import Identity
 from protocol.runspec import RunSpec, SyncSpec, load_run_spec
-from protocol.sparseloco import SparseLoCoConfig, compress, decompress
 
 pytestmark = pytest.mark.timeout(60)
 

@@ -17,13 +17,13 @@ import torch
 
 from coordinator.export import export_llama
 from node.model import Stage
-from node.outer_sync import ANCHOR_IN_SPAN, OuterSync
-from node.sparseloco_sync import SparseLoCoCodec, make_sync_parts
 from node.subspace_model import confinement, consensus_projection, project_weights_
+from node.sync.outer_sync import ANCHOR_IN_SPAN, OuterSync
+from node.sync.sparseloco_sync import SparseLoCoCodec, make_sync_parts
+from protocol.codecs.subspace import basis
 from protocol.identity import Identity
+from protocol.net.store import ObjectStore, StoreConfig
 from protocol.runspec import PipelineSpec, RunSpec, SyncSpec
-from protocol.store import ObjectStore, StoreConfig
-from protocol.subspace import basis
 from tests.test_export import MODEL, TOL, hf_logits, needs_transformers, pipeline_logits, sample_tokens
 from tests.test_export import trained_stages as perturbed_stages
 

@@ -12,8 +12,8 @@ from dataclasses import replace
 
 import pytest
 
-from coordinator.plan_spec import sync_compression_ratio
-from coordinator.planner import MODELS, ModelShape
+from coordinator.plan.planner import MODELS, ModelShape
+from coordinator.plan.spec import sync_compression_ratio
 from protocol.runspec import ModelSpec, PipelineSpec, RunSpec, SyncSpec, TrainSpec
 from scripts.calibrate_local import (
     Calibration,

@@ -33,7 +33,7 @@ from protocol.checkpoint import (
 from protocol.envelope import open_envelope, seal
 from protocol.identity import Identity
 from protocol.messages import CheckpointManifest, CheckpointPointer
-from protocol.store import MIN_PART_BYTES, ObjectChanged, ObjectStore, StoreConfig
+from protocol.net.store import MIN_PART_BYTES, ObjectChanged, ObjectStore, StoreConfig
 
 STAGE = 1
 

@@ -19,7 +19,7 @@ from pathlib import Path
 import pytest
 
 from node.cli import BOOTSTRAP_KEY, NODE_KEY, SETTINGS, build_parser, join_settings, node_config_data
-from protocol.cli_errors import EXAMPLE_PEER_ID, UsageError
+from protocol.process.cli_errors import EXAMPLE_PEER_ID, UsageError
 from scripts.procs import Child
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -106,7 +106,7 @@ def join(*flags: str, bootstrap: str | None = None, store: str | None = None) ->
 @pytest.fixture(scope="module")
 def store_url(moto_store: str) -> str:
     """A real S3 server (moto) holding the default bucket: for joins that get past the store check."""
-    from protocol.store import ObjectStore, StoreConfig
+    from protocol.net.store import ObjectStore, StoreConfig
 
     ObjectStore(StoreConfig(endpoint_url=moto_store)).ensure_bucket()
     return moto_store
@@ -294,8 +294,8 @@ def test_bootstrap_given_only_in_the_file_is_used(tmp_path: Path, home: Path, st
 
 def test_flags_override_the_file_and_every_flag_has_a_key(tmp_path: Path) -> None:
     from node.daemon import NodeConfig  # torch: in this test only
+    from protocol.net.store import StoreConfig
     from protocol.schema import from_dict
-    from protocol.store import StoreConfig
 
     cfg = write(
         tmp_path,

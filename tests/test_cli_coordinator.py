@@ -326,8 +326,8 @@ def test_stop_needs_no_bootstrap(tmp_path: Path, moto_store: str) -> None:
     from protocol.identity import Identity
     from protocol.keys import spec_key
     from protocol.messages import RunRecord
+    from protocol.net.store import ObjectStore, StoreConfig
     from protocol.runspec import RunSpec
-    from protocol.store import ObjectStore, StoreConfig
 
     store = ObjectStore(StoreConfig(endpoint_url=moto_store, bucket="crucible"))
     store.ensure_bucket()
@@ -342,7 +342,7 @@ def test_stop_needs_no_bootstrap(tmp_path: Path, moto_store: str) -> None:
 def test_every_cli_has_version_and_json_logs_are_one_object_per_line() -> None:
     import io
 
-    from protocol.logs import JsonFormatter, setup_logging
+    from protocol.process.logs import JsonFormatter, setup_logging
 
     for module, prog in (
         ("coordinator.cli", "crucible-coordinator"),
@@ -387,8 +387,8 @@ def test_every_cli_has_version_and_json_logs_are_one_object_per_line() -> None:
 def dht() -> Iterator[Any]:
     """A DHT peer in this process: the CLI's commands bootstrap from it, the coordinator ticked here
     reads and publishes through it."""
-    from protocol.dht_client import DHTClient
     from protocol.identity import Identity
+    from protocol.net.dht_client import DHTClient
 
     peer = DHTClient(Identity.generate())
     try:
@@ -461,8 +461,8 @@ def test_unknown_waiting_stopped_and_finished_runs_say_so(
     from protocol.envelope import seal
     from protocol.keys import spec_key
     from protocol.messages import RunRecord
+    from protocol.net.store import ObjectStore, StoreConfig
     from protocol.runspec import RunSpec
-    from protocol.store import ObjectStore, StoreConfig
 
     store = ObjectStore(StoreConfig(endpoint_url=moto_store, bucket="crucible"))
     store.ensure_bucket()
@@ -520,12 +520,12 @@ def test_a_replica_that_dropped_out_is_shown_as_such(
     from coordinator.run_figures import Sample
     from coordinator.service import Coordinator
     from protocol import keys
-    from protocol.dht_client import dht_time
     from protocol.envelope import seal
     from protocol.identity import Identity
     from protocol.messages import Assignment, NodeAdvert, RunRecord
+    from protocol.net.dht_client import dht_time
+    from protocol.net.store import ObjectStore, StoreConfig
     from protocol.runspec import ModelSpec, RunSpec
-    from protocol.store import ObjectStore, StoreConfig
     from tests.observability import chromium, plot_ticks
 
     store = ObjectStore(StoreConfig(endpoint_url=moto_store, bucket="crucible"))

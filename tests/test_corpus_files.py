@@ -7,8 +7,8 @@ from pathlib import Path
 
 import pytest
 
-from node.corpus_files import SNIFF_BYTES, DataError, is_text, scan_corpus
-from node.data import load_corpus
+from node.data.corpus import load_corpus
+from node.data.corpus_files import SNIFF_BYTES, DataError, is_text, scan_corpus
 
 LICENCE = ("Permission is hereby granted, free of charge, to any person obtaining a copy. " * 60).encode()
 

@@ -12,11 +12,11 @@ from pathlib import Path
 import pytest
 import torch
 
-from node.corpus_files import DataError, manifest_of, scan_corpus
-from node.corpus_store import publish_corpus
-from node.data import DataSource
-from node.schedule import Evaluation
-from node.tokenizer import parse_tokenizer, token_byte_lengths
+from node.data.corpus import DataSource
+from node.data.corpus_files import DataError, manifest_of, scan_corpus
+from node.data.corpus_store import publish_corpus
+from node.data.tokenizer import parse_tokenizer, token_byte_lengths
+from node.pipeline.schedule import Evaluation
 from protocol.corpus import (
     ManifestError,
     ShardEntry,
@@ -26,8 +26,8 @@ from protocol.corpus import (
     parse_manifest,
     parse_store_url,
 )
+from protocol.net.store import ObjectStore, StoreConfig
 from protocol.runspec import ModelSpec, RunSpec, TrainSpec, load_run_spec
-from protocol.store import ObjectStore, StoreConfig
 
 WORDS = "the of stage replica shard token byte corpus naïve café — λ 東京 data hash node store".split()
 
@@ -208,7 +208,7 @@ def test_crucible_swarm_puts_the_corpus_hash_in_the_spec(tmp_path: Path) -> None
     """crucible-swarm --data with a folder named with a space and a double quote: the generated run.toml
     holds the path exactly, its content hash, and with --tokenizer the tokenizer, its hash and its
     vocabulary; --data-in-store points the nodes at the store copy; s3:// alone is refused."""
-    from protocol.cli_errors import UsageError
+    from protocol.process.cli_errors import UsageError
     from scripts.local_swarm import parse_args, preflight
 
     folder = make_corpus(tmp_path / 'my "best" corpus', seed=4)
@@ -269,7 +269,7 @@ def test_data_in_store_ships_the_tokenizer_with_the_corpus(tmp_path: Path, store
 
 def test_a_data_root_that_is_no_folder_is_refused_by_its_flag(tmp_path: Path) -> None:
     from node.cli import build_parser, join_settings
-    from protocol.cli_errors import EXAMPLE_MULTIADDR, EXAMPLE_PEER_ID, UsageError
+    from protocol.process.cli_errors import EXAMPLE_MULTIADDR, EXAMPLE_PEER_ID, UsageError
 
     base = ["join", "--bootstrap", EXAMPLE_MULTIADDR, "--operator-key", EXAMPLE_PEER_ID]
     base += ["--store-endpoint", "http://127.0.0.1:9000"]

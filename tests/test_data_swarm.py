@@ -14,14 +14,14 @@ from pathlib import Path
 import pytest
 import torch
 
-from node.corpus_files import manifest_of, scan_corpus
-from node.corpus_store import publish_corpus
-from node.data import DataSource
-from node.tokenizer import parse_tokenizer
+from node.data.corpus import DataSource
+from node.data.corpus_files import manifest_of, scan_corpus
+from node.data.corpus_store import publish_corpus
+from node.data.tokenizer import parse_tokenizer
 from protocol.corpus import corpus_sha256
 from protocol.keys import report_key
+from protocol.net.store import ObjectStore, StoreConfig
 from protocol.runspec import TrainSpec
-from protocol.store import ObjectStore, StoreConfig
 from scripts.local_swarm import Swarm, parse_args, preflight, set_keys
 from scripts.procs import Child
 from tests.test_data import bpe, make_corpus

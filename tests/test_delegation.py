@@ -163,7 +163,7 @@ def test_refusals_are_logged_once_per_signer_and_reason(caplog) -> None:
 # --- the lease ------------------------------------------------------------------------------------
 @pytest.fixture(scope="module")
 def store(moto_store: str):
-    from protocol.store import ObjectStore, StoreConfig
+    from protocol.net.store import ObjectStore, StoreConfig
 
     s = ObjectStore(StoreConfig(endpoint_url=moto_store, bucket="delegation"))
     s.ensure_bucket()
@@ -221,7 +221,7 @@ def test_a_certified_coordinator_serves_only_the_runs_its_certificate_covers(sto
     from coordinator.cli import _read_views
     from coordinator.service import Coordinator, launch
     from protocol import keys
-    from protocol.dht_client import DHTClient, dht_time
+    from protocol.net.dht_client import DHTClient, dht_time
 
     rid = f"run-{uuid.uuid4().hex[:8]}"
     now = time.time()
@@ -257,8 +257,8 @@ def test_a_certified_coordinator_serves_only_the_runs_its_certificate_covers(sto
 def node(tmp_path: Path, moto_store: str) -> Iterator[tuple[object, object, Identity]]:
     """(test's DHT peer, the node process, the node's identity): one `crucible-node join` trusting OPERATOR,
     bootstrapped through the test's DHT peer, with the session's store."""
-    from protocol.dht_client import DHTClient
-    from protocol.store import ObjectStore, StoreConfig
+    from protocol.net.dht_client import DHTClient
+    from protocol.net.store import ObjectStore, StoreConfig
     from scripts.procs import Child
 
     ObjectStore(StoreConfig(endpoint_url=moto_store)).ensure_bucket()
@@ -345,7 +345,7 @@ def _one_line(r: subprocess.CompletedProcess[str], *names: str) -> str:
 
 
 def test_certify_then_serve_with_the_certificate(tmp_path: Path, moto_store: str) -> None:
-    from protocol.dht_client import DHTClient
+    from protocol.net.dht_client import DHTClient
     from scripts.procs import Child
 
     op_key = tmp_path / "operator.key"

@@ -9,7 +9,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from coordinator.plan_inputs import sustained_tflops
+from coordinator.plan.inputs import sustained_tflops
 from node.device import DeviceError, claim_gpu, resolve_device, resolve_precision
 from node.inner_step import inner_step, make_optimizer, prepare_stage
 from node.model import build_stage, lm_loss

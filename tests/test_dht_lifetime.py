@@ -16,7 +16,7 @@ import pytest
 ROOT = Path(__file__).resolve().parents[1]
 HOLDER = """
 import os, sys, time
-from protocol.dht_client import DHTClient
+from protocol.net.dht_client import DHTClient
 from protocol.identity import Identity
 c = DHTClient(Identity.generate())
 print("READY", flush=True)

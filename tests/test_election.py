@@ -18,8 +18,8 @@ import pytest
 
 from protocol import keys
 from protocol.delegation import issue
-from protocol.dht_client import DHTClient
 from protocol.identity import Identity
+from protocol.net.dht_client import DHTClient
 from scripts.local_swarm import Swarm
 from tests.test_swarm import RUN_TOML, run_metrics, wait_until
 

@@ -16,9 +16,9 @@ from concurrent.futures import ThreadPoolExecutor
 
 import pytest
 
-from node.outer_sync import FragmentId, OuterSync
+from node.sync.outer_sync import FragmentId, OuterSync
 from protocol import keys
-from protocol.store import ObjectStore, StoreConfig
+from protocol.net.store import ObjectStore, StoreConfig
 from tests.fragment_faults import corrupt, valid_blob
 from tests.test_sparseloco_sync import CFG, IDS, SHAPES, assert_same_anchors, lockstep, make_replicas
 

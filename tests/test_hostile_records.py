@@ -25,11 +25,11 @@ from hivemind.utils import ValueWithExpiration
 from coordinator.cli import main as coordinator_main
 from coordinator.service import Coordinator
 from protocol import envelope, keys
-from protocol.dht_client import DHTClient, dht_time
-from protocol.dht_validator import SignedSubkeyValidator, dht_key_id
 from protocol.envelope import open_envelope, seal, verified_header
 from protocol.identity import Identity, SignatureError
 from protocol.messages import Assignment, Endpoint, Hello, Lease, NodeAdvert, RunRecord
+from protocol.net.dht_client import DHTClient, dht_time
+from protocol.net.dht_validator import SignedSubkeyValidator, dht_key_id
 from protocol.runspec import RunSpec, load_run_spec
 from protocol.schema import SchemaError, from_dict, to_dict
 

@@ -13,7 +13,7 @@ from protocol import keys
 from protocol.envelope import seal
 from protocol.identity import Identity
 from protocol.messages import Lease
-from protocol.store import ObjectStore, StoreConfig
+from protocol.net.store import ObjectStore, StoreConfig
 
 OPERATOR = Identity.from_seed(bytes([7]) * 32)  # coordinators sign with one trusted key
 
@@ -89,8 +89,8 @@ def test_a_coordinator_taking_over_a_running_run_adopts_its_placement(
     import msgpack
 
     from coordinator.service import Coordinator
-    from protocol.dht_client import DHTClient, dht_time
     from protocol.messages import Assignment, RunRecord
+    from protocol.net.dht_client import DHTClient, dht_time
     from protocol.runspec import ModelSpec, RunSpec
 
     rid = run_id()
@@ -139,8 +139,8 @@ def test_forged_garbage_or_oversized_control_objects_do_not_stop_a_run(store: Ob
     A stop signed by a stranger, garbage and a 1 MiB object are ignored (the oversized one unread) and the
     coordinator's tick goes on; the operator's signed stop then stops the run."""
     from coordinator.service import Coordinator
-    from protocol.dht_client import DHTClient, dht_time
     from protocol.messages import RunControl, RunRecord
+    from protocol.net.dht_client import DHTClient, dht_time
     from protocol.runspec import ModelSpec, RunSpec
 
     rid = run_id()

@@ -9,9 +9,9 @@ from collections.abc import Iterator
 
 import pytest
 
-from node.acceptor import Acceptor
-from node.link_probe import ProbeError, probe_peer
-from node.transport import Shaper, listen
+from node.pipeline.acceptor import Acceptor
+from node.pipeline.link_probe import ProbeError, probe_peer
+from node.pipeline.transport import Shaper, listen
 from protocol.envelope import seal
 from protocol.framing import encode_frame
 from protocol.identity import Identity

@@ -8,7 +8,7 @@ from prometheus_client.parser import text_string_to_metric_families
 
 from node.metrics import NodeMetrics, node_families
 from node.worker import WorkerMetrics
-from protocol.metrics import render
+from protocol.process.metrics import render
 
 
 def test_status_and_metrics_name_the_loss_units() -> None:

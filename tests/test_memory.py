@@ -66,7 +66,7 @@ def test_bf16_adds_weight_copies_and_saves_activations() -> None:
         )
         assert fp.autocast_copies == 0 and bf.autocast_copies > 0
         assert bf.activations < fp.activations
-    # one bf16 copy of every matmul weight per step: node/schedule.py runs a step in one autocast region
+    # one bf16 copy of every matmul weight per step: node/pipeline/schedule.py runs a step in one autocast region
     mid = stage_memory(spec, 1, "bf16")  # 2 layers, 3 microbatches in flight; norm gains are not cast
     assert mid.autocast_copies == 2 * (stage_params(spec, 1) - 2 * 2 * 256)
     with pytest.raises(ValueError, match="resolve 'auto' first"):
@@ -89,7 +89,7 @@ def test_outer_state_follows_the_sync_method() -> None:
 
 
 def test_in_flight_follows_the_1f1b_schedule() -> None:
-    # node/schedule.py: warm-up min(S - s - 1 + extra, M) forwards (none on the last stage), then 1F1B
+    # node/pipeline/schedule.py: warm-up min(S - s - 1 + extra, M) forwards (none on the last stage), then 1F1B
     assert [in_flight(4, s, 0, 8) for s in range(4)] == [4, 3, 2, 1]
     assert [in_flight(4, s, 2, 8) for s in range(4)] == [6, 5, 4, 1]
     assert [in_flight(4, s, 2, 3) for s in range(4)] == [3, 3, 3, 1]  # never more than M

@@ -18,9 +18,9 @@ from pathlib import Path
 
 import pytest
 
-from node.acceptor import Acceptor
 from node.health import HealthServer
-from node.transport import Link, listen
+from node.pipeline.acceptor import Acceptor
+from node.pipeline.transport import Link, listen
 from protocol.envelope import seal
 from protocol.framing import HEADER, encode_frame
 from protocol.identity import Identity
@@ -90,8 +90,8 @@ def clients() -> Iterator[list[socket.socket]]:
 # --- accept loop ------------------------------------------------------------------------------------
 _EMFILE_CHILD = """
 import os, resource, sys
-from node.acceptor import Acceptor
-from node.transport import listen
+from node.pipeline.acceptor import Acceptor
+from node.pipeline.transport import listen
 
 acc = Acceptor(listen("127.0.0.1", 0), hello_timeout_s=1.0)
 soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)

@@ -9,11 +9,11 @@ import socket
 import pytest
 import torch
 
-from node.data import Corpus
+from node.data.corpus import Corpus
 from node.model import Stage, build_full_model, build_stage, lm_loss
-from node.schedule import PipelineStage
+from node.pipeline.schedule import PipelineStage
+from node.pipeline.transport import Link, connect, listen
 from node.subspace_model import boundary_codecs, constrain_stage, project_grads_
-from node.transport import Link, connect, listen
 from protocol.runspec import ModelSpec, PipelineSpec, RunSpec
 
 M = 4

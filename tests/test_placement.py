@@ -21,8 +21,8 @@ from coordinator.placement import (
     repair,
     stage_needs,
 )
-from coordinator.plan_inputs import sustained_tflops
-from coordinator.planner import Layout, predict
+from coordinator.plan.inputs import sustained_tflops
+from coordinator.plan.planner import Layout, predict
 from protocol.memory import stage_memory
 from protocol.messages import NodeAdvert
 from protocol.reference_block import REFERENCE_BLOCKS
@@ -350,7 +350,7 @@ def test_the_run_specs_link_shaper_is_in_the_coordinators_prediction() -> None:
     pipeline link on top of what the nodes measured over loopback. One formula for both
     (`plan_links.shaped_link`): the calibration's link and the coordinator's agree."""
     from coordinator.placement import predict_placement
-    from coordinator.plan_links import shaped_link
+    from coordinator.plan.links import shaped_link
     from protocol.runspec import PipelineSpec
     from scripts.calibrate_local import link_figures
 

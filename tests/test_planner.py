@@ -10,9 +10,9 @@ from pathlib import Path
 
 import pytest
 
-from coordinator.accelerators import ACCELERATORS, measure_cpu_tflops
-from coordinator.plan_cli import main as plan_main
-from coordinator.planner import (
+from coordinator.plan.accelerators import ACCELERATORS, measure_cpu_tflops
+from coordinator.plan.cli import main as plan_main
+from coordinator.plan.planner import (
     ATTENTION_COEF_PALM,
     MODELS,
     Host,
@@ -377,7 +377,7 @@ def test_a_link_that_costs_the_step_nothing_is_not_warned_about() -> None:
     to the step": the schedule hides all but 4 of the link's 55 us transfers, 0.2 ms of a 0.26 s step. A
     link is named only when it costs more than LINK_WARN_SHARE of its replica's step."""
     from coordinator.placement import CostModel, Placement, predict_placement
-    from coordinator.planner import LINK_WARN_SHARE
+    from coordinator.plan.planner import LINK_WARN_SHARE
     from protocol.messages import NodeAdvert
     from protocol.runspec import ModelSpec, PipelineSpec, RunSpec, TrainSpec
 

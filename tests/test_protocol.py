@@ -8,11 +8,11 @@ import msgpack
 import pytest
 from hivemind.dht.validation import DHTRecord
 
-from protocol.dht_validator import SignedSubkeyValidator
 from protocol.envelope import UntrustedSigner, VersionError, open_envelope, seal
 from protocol.framing import ConnectionClosed, FrameError, encode_frame, recv_frame, send_frame
 from protocol.identity import Identity, SignatureError, peer_id_of, public_key_of_peer_id
 from protocol.messages import Endpoint, Hello, NodeAdvert
+from protocol.net.dht_validator import SignedSubkeyValidator
 from protocol.runspec import RunSpec, load_run_spec
 from protocol.schema import SchemaError
 
@@ -131,8 +131,8 @@ def test_validator_only_lets_the_owner_write_its_subkey() -> None:
 
 
 def test_acceptor_rejects_bad_hello_and_hands_over_good_one() -> None:
-    from node.acceptor import Acceptor
-    from node.transport import listen
+    from node.pipeline.acceptor import Acceptor
+    from node.pipeline.transport import listen
 
     acc = Acceptor(listen("127.0.0.1", 0), hello_timeout_s=2)
     try:

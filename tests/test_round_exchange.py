@@ -1,4 +1,4 @@
-"""The round exchange on its own (node/round_exchange.py), against a real S3 server (moto), with no outer
+"""The round exchange on its own (node/sync/round_exchange.py), against a real S3 server (moto), with no outer
 loop around it: replicas agree on one set per round, a late replica adopts it, a squatted key takes no slot.
 Fragments are DiLoCo's dense codec on a 4-value tensor: the exchange only moves signed bytes."""
 
@@ -11,13 +11,13 @@ from concurrent.futures import ThreadPoolExecutor
 import pytest
 import torch
 
-from node.dense_sync import DenseCodec
-from node.round_exchange import Exchanged, FragmentId, RoundExchange, SyncStats
+from node.sync.dense_sync import DenseCodec
+from node.sync.round_exchange import Exchanged, FragmentId, RoundExchange, SyncStats
 from protocol import keys
 from protocol.envelope import open_envelope
 from protocol.identity import Identity
 from protocol.messages import RoundRecord
-from protocol.store import ObjectStore, StoreConfig
+from protocol.net.store import ObjectStore, StoreConfig
 
 pytestmark = pytest.mark.timeout(60)
 

@@ -7,7 +7,7 @@ from dataclasses import replace
 import pytest
 
 from coordinator.placement import CostModel, Placement, placement_layout
-from coordinator.planner import figures, predict
+from coordinator.plan.planner import figures, predict
 from coordinator.run_figures import History, Sample, sample
 from protocol.messages import NodeAdvert
 from protocol.runspec import ModelSpec, RunSpec, TrainSpec
@@ -133,7 +133,7 @@ def test_the_dashboard_and_crucible_swarm_show_one_prediction() -> None:
     real dashboard on loopback, and crucible-swarm's own reader and report."""
     from coordinator.dashboard import Dashboard
     from coordinator.placement import place, predict_placement
-    from coordinator.planner import Figures, figures_at
+    from coordinator.plan.planner import Figures, figures_at
     from coordinator.service import Coordinator, ManagedRun
     from protocol.identity import Identity
     from protocol.messages import RunRecord

@@ -1,4 +1,4 @@
-"""node/schedule.py: extra microbatches in flight (stage s runs ahead of plain 1F1B) leave the results of a
+"""node/pipeline/schedule.py: extra microbatches in flight (stage s runs ahead of plain 1F1B) leave the results of a
 training step unchanged and do not deadlock; 3 stages in threads over real loopback links."""
 
 from __future__ import annotations
@@ -9,9 +9,9 @@ import pytest
 import torch
 
 from node.model import build_full_model, build_stage, lm_loss
-from node.schedule import PipelineStage
+from node.pipeline.schedule import PipelineStage
+from node.pipeline.transport import Link
 from node.subspace_model import boundary_codecs
-from node.transport import Link
 from protocol.runspec import ModelSpec, RunSpec
 from tests.tcp_pair import socket_pair
 

@@ -1,4 +1,4 @@
-"""A stop that hangs is bounded: the stacks go to stderr and the process exits (protocol/signals.py)."""
+"""A stop that hangs is bounded: the stacks go to stderr and the process exits (protocol/process/signals.py)."""
 
 from __future__ import annotations
 
@@ -9,7 +9,7 @@ import time
 
 HUNG = """
 import sys, threading, time
-from protocol.signals import install_stop_signals
+from protocol.process.signals import install_stop_signals
 stopped = threading.Event()
 install_stop_signals(stopped.set, grace_s={grace})
 print("ready", flush=True)

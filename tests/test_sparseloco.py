@@ -1,4 +1,4 @@
-"""SparseLoCo codec (protocol/sparseloco*.py) and aggregation (node/aggregation.py)."""
+"""SparseLoCo codec (protocol/codecs/sparseloco*.py) and aggregation (node/sync/aggregation.py)."""
 
 from __future__ import annotations
 
@@ -13,7 +13,7 @@ import torch
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from node.aggregation import (
+from node.sync.aggregation import (
     AggregationConfig,
     aggregate,
     mean_over_arrivals,
@@ -22,11 +22,8 @@ from node.aggregation import (
     per_coordinate_mean,
     screen,
 )
-from protocol import sparseloco_format
-from protocol.envelope import UntrustedSigner, VersionError
-from protocol.identity import Identity
-from protocol.schema import ProtocolError, to_dict
-from protocol.sparseloco import (
+from protocol.codecs import sparseloco_format
+from protocol.codecs.sparseloco import (
     CompressedFragment,
     SparseLoCoConfig,
     _chunk_scales,
@@ -38,7 +35,7 @@ from protocol.sparseloco import (
     layout,
     table_bound,
 )
-from protocol.sparseloco_format import (
+from protocol.codecs.sparseloco_format import (
     MAGIC,
     FragmentError,
     FragmentHeader,
@@ -54,6 +51,9 @@ from protocol.sparseloco_format import (
     ratio,
     seal_payload,
 )
+from protocol.envelope import UntrustedSigner, VersionError
+from protocol.identity import Identity
+from protocol.schema import ProtocolError, to_dict
 
 ALICE = Identity.from_seed(bytes(range(32)))
 MALLORY = Identity.from_seed(bytes(range(1, 33)))
@@ -314,7 +314,7 @@ def test_golomb_roundtrip(g: np.ndarray, M: int) -> None:
 )
 def test_golomb_in_threads_gives_the_same_bytes(g: np.ndarray, M: int, workers: int) -> None:
     """The threaded coder joins runs of gaps at arbitrary bit offsets: the bytes must not change."""
-    from protocol import sparseloco_format
+    from protocol.codecs import sparseloco_format
 
     old = sparseloco_format._PARALLEL_MIN_GAPS
     sparseloco_format._PARALLEL_MIN_GAPS = 8  # so that small inputs are split too
@@ -325,7 +325,7 @@ def test_golomb_in_threads_gives_the_same_bytes(g: np.ndarray, M: int, workers: 
 
 
 def test_fixed_width_packing_matches_the_bit_matrix() -> None:
-    from protocol.sparseloco_format import _pack_fixed
+    from protocol.codecs.sparseloco_format import _pack_fixed
 
     rng = np.random.default_rng(0)
     for n in (1, 7, 8, 9, 1001):
@@ -444,7 +444,9 @@ def test_rejections_raise_typed_errors(monkeypatch: pytest.MonkeyPatch) -> None:
     bad_idx = cf.idx.copy()
     bad_idx[lay.entry_start[1] - 1] = lay.u[0]  # last index of chunk 0 = its size
     oob = CompressedFragment(**{**cf.__dict__, "idx": bad_idx})
-    monkeypatch.setattr("protocol.sparseloco_format._check_fragment", sparseloco_format._gaps)  # unchecked
+    monkeypatch.setattr(
+        "protocol.codecs.sparseloco_format._check_fragment", sparseloco_format._gaps
+    )  # unchecked
     with pytest.raises(FragmentError, match=r"index \d+ out of range in chunk 0 \(tensor 0"):
         decode_fragment(_sealed(oob))
     monkeypatch.undo()

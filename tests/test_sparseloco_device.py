@@ -1,4 +1,4 @@
-"""SparseLoCo on the device (protocol/sparseloco_device.py) against the numpy reference (protocol/sparseloco.py)."""
+"""SparseLoCo on the device (protocol/codecs/sparseloco_device.py) against the numpy reference (protocol/codecs/sparseloco.py)."""
 
 from __future__ import annotations
 
@@ -15,16 +15,16 @@ import torch
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from protocol.identity import Identity
-from protocol.sparseloco import (
+from protocol.codecs.sparseloco import (
     CompressedFragment,
     SparseLoCoConfig,
     compress,
     decompress,
     error_feedback_step,
 )
-from protocol.sparseloco_device import compress_device, decompress_to, error_feedback_step_device
-from protocol.sparseloco_format import FragmentError, FragmentHeader, decode_fragment, encode_fragment
+from protocol.codecs.sparseloco_device import compress_device, decompress_to, error_feedback_step_device
+from protocol.codecs.sparseloco_format import FragmentError, FragmentHeader, decode_fragment, encode_fragment
+from protocol.identity import Identity
 
 ALICE = Identity.from_seed(bytes(range(32)))
 WHERE = {"run_id": "run-test", "stage": 1, "fragment": 2, "round": 7, "replica": 3}
@@ -330,9 +330,9 @@ def test_codec_imports_without_cryptography_or_node_dependencies() -> None:
 
         sys.meta_path.insert(0, Blocker())
         import torch
-        from protocol.sparseloco import SparseLoCoConfig
-        from protocol.sparseloco_device import compress_device, decompress_to
-        from protocol.sparseloco_format import FragmentHeader, pack_payload, unpack_payload
+        from protocol.codecs.sparseloco import SparseLoCoConfig
+        from protocol.codecs.sparseloco_device import compress_device, decompress_to
+        from protocol.codecs.sparseloco_format import FragmentHeader, pack_payload, unpack_payload
 
         cfg = SparseLoCoConfig()
         cf = compress_device([torch.randn(130, 70), torch.randn(9)], cfg)

@@ -14,21 +14,21 @@ from collections.abc import Callable, Iterator
 import pytest
 import torch
 
-from node.aggregation import AggregationConfig, aggregate
-from node.outer_sync import FragmentId, OuterSync
-from node.sparseloco_sync import SparseLoCoCodec, make_aggregator, make_sync_parts
+from node.sync.aggregation import AggregationConfig, aggregate
+from node.sync.outer_sync import FragmentId, OuterSync
+from node.sync.sparseloco_sync import SparseLoCoCodec, make_aggregator, make_sync_parts
 from protocol import keys
-from protocol.envelope import open_envelope, seal
-from protocol.identity import Identity
-from protocol.messages import RoundRecord
-from protocol.runspec import RunSpec, SyncSpec
-from protocol.sparseloco import SparseLoCoConfig
-from protocol.sparseloco_format import (
+from protocol.codecs.sparseloco import SparseLoCoConfig
+from protocol.codecs.sparseloco_format import (
     MAX_FRAGMENT_BYTES,
     FragmentError,
     ratio,
 )
-from protocol.store import ObjectStore, StoreConfig
+from protocol.envelope import open_envelope, seal
+from protocol.identity import Identity
+from protocol.messages import RoundRecord
+from protocol.net.store import ObjectStore, StoreConfig
+from protocol.runspec import RunSpec, SyncSpec
 from tests.fault_proxy import FaultProxy
 from tests.fragment_faults import KINDS, MALLORY, corrupt, valid_blob
 

@@ -21,12 +21,12 @@ import pytest
 
 from protocol import keys
 from protocol.delegation import OperatorTrust, RefusalLog
-from protocol.dht_client import DHTClient, dht_time
 from protocol.envelope import seal
 from protocol.identity import Identity
 from protocol.messages import Assignment, RunRecord, RunState
+from protocol.net.dht_client import DHTClient, dht_time
+from protocol.net.store import ObjectStore, StoreConfig
 from protocol.runspec import ModelSpec, RunSpec
-from protocol.store import ObjectStore, StoreConfig
 
 if TYPE_CHECKING:
     from node.daemon import AssignmentSource

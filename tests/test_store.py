@@ -6,7 +6,7 @@ from pathlib import Path
 
 import pytest
 
-from protocol.store import ObjectStore, StoreConfig, StoreError
+from protocol.net.store import ObjectStore, StoreConfig, StoreError
 
 REMOTE = "https://account.r2.cloudflarestorage.com"
 

@@ -23,8 +23,7 @@ from node.subspace_model import (
     project_weights_,
     subspace_plan,
 )
-from protocol.runspec import ModelSpec, PipelineSpec
-from protocol.subspace import (
+from protocol.codecs.subspace import (
     HEADER_BYTES,
     MAX_ABS,
     ActivationCodec,
@@ -40,6 +39,7 @@ from protocol.subspace import (
     payload_bytes,
     token_table,
 )
+from protocol.runspec import ModelSpec, PipelineSpec
 
 SPEC = ModelSpec(d_model=256, n_layers=4, n_heads=4, d_ff=688, seq_len=32, vocab=256)
 

@@ -17,19 +17,19 @@ import torch
 
 from coordinator.export import consensus_states, export_llama
 from node.model import build_stage
-from node.outer_sync import FragmentId
-from node.sparseloco_sync import SparseLoCoCodec
 from node.subspace_model import constrain_stage, off_subspace
+from node.sync.outer_sync import FragmentId
+from node.sync.sparseloco_sync import SparseLoCoCodec
 from node.worker import weights_digest
 from protocol import keys
-from protocol.dht_client import DHTClient, dht_time
+from protocol.codecs.sparseloco import SparseLoCoConfig
+from protocol.codecs.sparseloco_format import ratio
 from protocol.envelope import seal
 from protocol.identity import Identity
 from protocol.messages import Assignment
+from protocol.net.dht_client import DHTClient, dht_time
+from protocol.net.store import ObjectStore, StoreConfig
 from protocol.runspec import ModelSpec, RunSpec, SyncSpec, TrainSpec, load_run_spec
-from protocol.sparseloco import SparseLoCoConfig
-from protocol.sparseloco_format import ratio
-from protocol.store import ObjectStore, StoreConfig
 from scripts.local_swarm import Swarm, set_pipeline
 from tests.fragment_faults import corrupt
 from tests.observability import bad_requests_get_4xx, dashboard_shows_run, http_status, scrape

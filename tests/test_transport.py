@@ -1,4 +1,4 @@
-"""node/transport.py over real loopback sockets: the shaper's bandwidth and delay, frame limits on both
+"""node/pipeline/transport.py over real loopback sockets: the shaper's bandwidth and delay, frame limits on both
 ends, malformed frames, and backpressure when the peer stops reading."""
 
 from __future__ import annotations
@@ -11,7 +11,7 @@ from collections.abc import Iterator
 
 import pytest
 
-from node.transport import Link, LinkError, Shaper
+from node.pipeline.transport import Link, LinkError, Shaper
 from protocol.framing import FrameError
 from tests.tcp_pair import socket_pair
 

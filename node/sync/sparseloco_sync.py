@@ -6,7 +6,7 @@ SparseLoCo (arXiv 2508.15706), per stage worker r and fragment f (DESIGN section
     c_r,f = Q2(TopK_per_chunk(e_r,f))        # k of every 4096 coordinates, 2-bit values
     e_r,f = e_r,f - decode(c_r,f)            # what was not sent stays for a later round
 
-`SparseLoCoCodec.encode` runs that step and signs the result (`protocol.sparseloco_format`); it returns
+`SparseLoCoCodec.encode` runs that step and signs the result (`protocol.codecs.sparseloco_format`); it returns
 the contribution exactly as every receiver decodes it, so all replicas aggregate the same tensors.
 `SparseLoCoCodec.decode` accepts a fragment only if it is signed by the replica expected at that store
 key and its header names this run, stage, fragment, round, replica, shapes and codec settings.
@@ -23,19 +23,19 @@ from typing import NamedTuple
 
 import torch
 
-from node.aggregation import AggregationConfig, aggregate
-from node.dense_sync import DenseCodec
-from node.outer_sync import Aggregator, Encoding, FragmentCodec, FragmentId
-from protocol.identity import Identity, SignatureError, public_key_of_peer_id
-from protocol.runspec import RunSpec
-from protocol.sparseloco import SparseLoCoConfig, decompress, error_feedback_step
-from protocol.sparseloco_format import (
+from node.sync.aggregation import AggregationConfig, aggregate
+from node.sync.dense_sync import DenseCodec
+from node.sync.outer_sync import Aggregator, Encoding, FragmentCodec, FragmentId
+from protocol.codecs.sparseloco import SparseLoCoConfig, decompress, error_feedback_step
+from protocol.codecs.sparseloco_format import (
     MAX_FRAGMENT_BYTES,
     FragmentError,
     FragmentHeader,
     decode_fragment,
     encode_fragment,
 )
+from protocol.identity import Identity, SignatureError, public_key_of_peer_id
+from protocol.runspec import RunSpec
 
 log = logging.getLogger(__name__)
 
@@ -44,8 +44,8 @@ class SparseLoCoCodec(FragmentCodec):
     """Error feedback + chunked top-k + 2-bit values, signed by this node; one buffer e per fragment.
 
     Two paths compute the same fragment format (DESIGN section 9): on a GPU, error feedback, top-k and
-    quantization run where the tensors are (`protocol.sparseloco_device`) and only kept indices and codes
-    cross to the host; on the CPU the numpy reference (`protocol.sparseloco`) does. Either way the
+    quantization run where the tensors are (`protocol.codecs.sparseloco_device`) and only kept indices and codes
+    cross to the host; on the CPU the numpy reference (`protocol.codecs.sparseloco`) does. Either way the
     Golomb coding of the indices, the signature and the decoded contribution are made by the returned
     `Encoding` on OuterSync's I/O thread, while training goes on.
 
@@ -78,7 +78,7 @@ class SparseLoCoCodec(FragmentCodec):
         elif e and e[0].device != where:  # restored from a checkpoint on the CPU: move it, keep it
             e = [t.to(where) for t in e]
         if on_device:
-            from protocol.sparseloco_device import error_feedback_step_device
+            from protocol.codecs.sparseloco_device import error_feedback_step_device
 
             cf, self.e[fid.fragment] = error_feedback_step_device(e, delta, self.cfg)  # e updated in place
         else:
@@ -154,7 +154,7 @@ class SparseLoCoCodec(FragmentCodec):
 
 
 def make_aggregator(cfg: AggregationConfig) -> Aggregator:
-    """`node.aggregation.aggregate` as OuterSync's aggregator: Delta_bar tensors; rejections, and
+    """`node.sync.aggregation.aggregate` as OuterSync's aggregator: Delta_bar tensors; rejections, and
     contributions scaled below half or with values clamped, are logged."""
 
     def aggregate_fn(contribs: dict[int, list[torch.Tensor]]) -> list[torch.Tensor]:

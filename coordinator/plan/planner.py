@@ -10,24 +10,24 @@ Definitions (DESIGN section 7)::
     tax           = 1 - MFU / ceiling            # ceiling: achievable MFU of a tuned local stage (0.65)
     $/Mtok        = (sum of $/h) / (tokens/s x 3600) x 1e6
 
-FLOPs/token is `ModelShape.flops_per_token`, F = 6 N + 14 L d s (coordinator/plan_inputs.py says why).
+FLOPs/token is `ModelShape.flops_per_token`, F = 6 N + 14 L d s (coordinator/plan/inputs.py says why).
 
 The planner is split along its seams; this module is the prediction and re-exports the rest, so
-`from coordinator.planner import ...` keeps working:
+`from coordinator.plan.planner import ...` keeps working:
 
-- coordinator/plan_inputs.py     model shapes, pools and pool files, run settings
-- coordinator/plan_links.py      boundary message bytes, transfer time, choose_k
-- coordinator/plan_layout.py     Layout, per-stage work/params/memory, layer balancing, naive layout
-- coordinator/plan_schedule.py   the pipeline schedule replayed op by op
-- coordinator/plan_economics.py  $/Mtok and the reference-cluster comparison
+- coordinator/plan/inputs.py     model shapes, pools and pool files, run settings
+- coordinator/plan/links.py      boundary message bytes, transfer time, choose_k
+- coordinator/plan/layout.py     Layout, per-stage work/params/memory, layer balancing, naive layout
+- coordinator/plan/schedule.py   the pipeline schedule replayed op by op
+- coordinator/plan/economics.py  $/Mtok and the reference-cluster comparison
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass, replace
 
-from coordinator.plan_economics import Economics, ReferenceCluster, economics, usd_per_mtok
-from coordinator.plan_inputs import (
+from coordinator.plan.economics import Economics, ReferenceCluster, economics, usd_per_mtok
+from coordinator.plan.inputs import (
     ATTENTION_COEF_FLASH,
     ATTENTION_COEF_PALM,
     MEMORY_HEADROOM,
@@ -40,7 +40,7 @@ from coordinator.plan_inputs import (
     get_model,
     load_pool,
 )
-from coordinator.plan_layout import (
+from coordinator.plan.layout import (
     Layout,
     auto_stages,
     balance_layers,
@@ -49,8 +49,8 @@ from coordinator.plan_layout import (
     stage_params,
     stage_work,
 )
-from coordinator.plan_links import activation_bytes, choose_k, id_bytes, transfer_s
-from coordinator.plan_schedule import schedule_step, warmup_forwards
+from coordinator.plan.links import activation_bytes, choose_k, id_bytes, transfer_s
+from coordinator.plan.schedule import schedule_step, warmup_forwards
 from protocol import memory
 
 __all__ = [

@@ -19,11 +19,11 @@ import hivemind
 from hivemind.utils import get_dht_time
 from multiaddr import Multiaddr
 
-from protocol.dht_validator import SignedSubkeyValidator, subkey_owner
 from protocol.envelope import Signed, open_envelope, seal
 from protocol.identity import Identity, SignatureError
+from protocol.net.dht_validator import SignedSubkeyValidator, subkey_owner
+from protocol.process.signals import die_with_parent
 from protocol.schema import ProtocolError, describe
-from protocol.signals import die_with_parent
 
 log = logging.getLogger(__name__)
 T = TypeVar("T")

@@ -6,12 +6,12 @@ SparseLoCo (arXiv 2508.15706), per stage worker and outer round:
     c  = Q_b(TopK_per_chunk(e'))           # k of every chunk of `chunk` coordinates (64 of 4096)
     e  = e' - decode(c)                    # what was not sent stays for a later round
 
-`protocol.sparseloco` is the reference: numpy on the host, 0.4 GB/s. Here tiling, top-k, the quantizer
+`protocol.codecs.sparseloco` is the reference: numpy on the host, 0.4 GB/s. Here tiling, top-k, the quantizer
 and the residual update run on the device of e and Delta; only the compact arrays of the
 `CompressedFragment` (kept indices, value codes, chunk scale codes, tensor scales, bin-mean tables, the
 dense 1-D tensors: ~1/200 of the stage) cross to the host, through pinned buffers with one
 synchronisation per round. The fragment is the reference's in-memory form (numpy arrays, same dtypes and
-meaning), so `protocol.sparseloco_format` signs and Golomb-codes it unchanged, on the host.
+meaning), so `protocol.codecs.sparseloco_format` signs and Golomb-codes it unchanged, on the host.
 
 Exactness, against the reference:
 - Top-k keeps exactly the reference's entries. A chunk position p of value x gets the int64 sort key
@@ -26,7 +26,7 @@ Exactness, against the reference:
 - Decoding is the reference decoder's float32 arithmetic (s_c = ref * 2^(-code/8), then
   value = table[tensor, code] * s_c, each one IEEE multiply), so e_new == e' - decompress(c) bit for bit,
   and `decompress_to` equals `decompress` bit for bit on any device. Both reject the same fragments
-  (`protocol.sparseloco.check_values`, run on the host arrays before anything is uploaded).
+  (`protocol.codecs.sparseloco.check_values`, run on the host arrays before anything is uploaded).
 
 Memory: the stage's e is updated in place (no second copy of the stage). Tensors are compressed one at a
 time, so the full-size temporaries are one tensor's e' and its int64 sort keys (16 bytes per element of
@@ -47,7 +47,7 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
-from protocol.sparseloco import (
+from protocol.codecs.sparseloco import (
     _LLOYD_ITERS,
     _SCALE_LUT,
     _SCALE_STEPS_PER_OCTAVE,
@@ -411,11 +411,11 @@ def _shapes(xs: list[torch.Tensor]) -> tuple[Shape, ...]:
 
 @torch.no_grad()
 def compress_device(tensors: list[torch.Tensor], cfg: SparseLoCoConfig) -> CompressedFragment:
-    """`protocol.sparseloco.compress` computed on the tensors' device (any float dtype, one device).
+    """`protocol.codecs.sparseloco.compress` computed on the tensors' device (any float dtype, one device).
 
     Same kept indices as the reference; the quantizer's codes and tables may differ in rare last bits.
     Raises ValueError for an empty or non-floating tensor, one holding NaN/inf, or one whose values are so
-    large (|x| within a factor 2 sqrt(k) of float32's max) that `protocol.sparseloco.check_values` would
+    large (|x| within a factor 2 sqrt(k) of float32's max) that `protocol.codecs.sparseloco.check_values` would
     reject the fragment.
     """
     device = _device_of(tensors, "tensor")
@@ -432,7 +432,7 @@ def error_feedback_step_device(
         e' = beta * e + delta;  c = Q_b(TopK(e'));  e_new = e' - decode(c)
 
     e (float32, contiguous) is updated IN PLACE to e_new and returned: no second copy of the stage.
-    delta may be any float dtype. c is on the host, as `protocol.sparseloco.compress` makes it, and
+    delta may be any float dtype. c is on the host, as `protocol.codecs.sparseloco.compress` makes it, and
     e_new == e' - decompress(c) bit for bit (e' computed as `torch.add(delta.float(), e, alpha=beta)`).
     On cuda the call returns after one synchronisation (the fragment's arrays are on the host, views of
     pinned buffers that go back to torch's pinned-memory cache with the fragment); the residual update
@@ -469,7 +469,7 @@ def error_feedback_step_device(
 
 @torch.no_grad()
 def decompress_to(cf: CompressedFragment, device: torch.device | str) -> list[torch.Tensor]:
-    """Dense float32 tensors on `device`, bit-identical to `protocol.sparseloco.decompress(cf)`.
+    """Dense float32 tensors on `device`, bit-identical to `protocol.codecs.sparseloco.decompress(cf)`.
 
     Raises `FragmentError` for the fragments `decompress` rejects (`check_values`, on the host arrays).
     """

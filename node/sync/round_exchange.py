@@ -1,6 +1,6 @@
 """The round exchange: how one stage's replicas agree, through the object store, on the set of fragments a
 round applies (DESIGN section 3). It puts our fragment, waits for the others' and returns the agreed set;
-the outer loop (node/outer_sync.py) keeps the schedule, the anchor and the apply.
+the outer loop (node/sync/outer_sync.py) keeps the schedule, the anchor and the apply.
 
     run(fid, encoding, shapes) -> Exchanged     # what every replica applies for (stage, fragment, round)
 
@@ -33,8 +33,8 @@ from protocol import keys
 from protocol.envelope import open_envelope, seal
 from protocol.identity import Identity
 from protocol.messages import RecordEntry, RoundRecord
+from protocol.net.store import ObjectStore, ObjectTooLarge, StoreError
 from protocol.schema import ProtocolError
-from protocol.store import ObjectStore, ObjectTooLarge, StoreError
 
 log = logging.getLogger(__name__)
 

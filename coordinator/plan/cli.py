@@ -16,8 +16,8 @@ from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
-from coordinator.accelerators import ACCELERATORS
-from coordinator.planner import (
+from coordinator.plan.accelerators import ACCELERATORS
+from coordinator.plan.planner import (
     MODELS,
     Economics,
     HostGroup,
@@ -31,7 +31,7 @@ from coordinator.planner import (
     naive_layout,
     predict,
 )
-from protocol.cli_errors import (
+from protocol.process.cli_errors import (
     ArgumentParser,
     UsageError,
     bad_input,
@@ -40,7 +40,7 @@ from protocol.cli_errors import (
     load_toml,
     run_cli,
 )
-from protocol.logs import add_log_args, setup_logging
+from protocol.process.logs import add_log_args, setup_logging
 from protocol.schema import SchemaError, from_dict
 
 DESCRIPTION = """\

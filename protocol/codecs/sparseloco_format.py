@@ -35,9 +35,9 @@ from typing import TYPE_CHECKING, Any
 import msgpack
 import numpy as np
 
+from protocol.codecs.sparseloco import CompressedFragment, Layout, Shape, SparseLoCoConfig, layout
 from protocol.msgpack_limits import unpack_bounded
 from protocol.schema import ProtocolError, SchemaError, UntrustedSigner, VersionError, from_dict, to_dict
-from protocol.sparseloco import CompressedFragment, Layout, Shape, SparseLoCoConfig, layout
 
 if TYPE_CHECKING:  # signing needs cryptography; pack/unpack and the Golomb coder do not
     from protocol.identity import Identity

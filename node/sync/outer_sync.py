@@ -11,7 +11,7 @@ fragment f is captured at inner step c_f = (f+1) q of each H-step cycle and appl
 
 Upload and fetch run on a background I/O thread while training goes on for tau steps; applying blocks
 only for what is still in flight, and that wait is recorded. Which fragments a round applies is agreed by
-the round exchange (node/round_exchange.py `RoundExchange`), which this owner holds: it puts ours, waits
+the round exchange (node/sync/round_exchange.py `RoundExchange`), which this owner holds: it puts ours, waits
 for the others' and returns the set every replica applies.
 """
 
@@ -28,8 +28,8 @@ from typing import Protocol
 
 import torch
 
-from node.aggregation import mean_over_arrivals
-from node.round_exchange import (
+from node.sync.aggregation import mean_over_arrivals
+from node.sync.round_exchange import (
     Encoding,
     Exchanged,
     FragmentCodec,
@@ -38,9 +38,9 @@ from node.round_exchange import (
     RoundExchange,
     SyncStats,
 )
-from node.stage_checkpoints import StageCheckpoints
+from node.sync.stage_checkpoints import StageCheckpoints
 from protocol.checkpoint import Checkpoint
-from protocol.store import ObjectStore
+from protocol.net.store import ObjectStore
 
 log = logging.getLogger(__name__)
 

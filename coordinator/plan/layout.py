@@ -9,7 +9,7 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass
 
-from coordinator.plan_inputs import (
+from coordinator.plan.inputs import (
     ATTENTION_COEF_FLASH,
     MEMORY_HEADROOM,
     Host,

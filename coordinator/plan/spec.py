@@ -2,21 +2,21 @@
 
 from __future__ import annotations
 
-from coordinator.plan_inputs import RunSettings
+from coordinator.plan.inputs import RunSettings
 from protocol.runspec import RunSpec
 
 WIRE_BYTES = {"float32": 4, "bfloat16": 2, "float16": 2}
 FRAME_HEADER_BYTES = 32 + 4
-"""protocol/subspace.py's activation header (32) and the frame length prefix (4)."""
+"""protocol/codecs/subspace.py's activation header (32) and the frame length prefix (4)."""
 
 
 def sync_compression_ratio(spec: RunSpec) -> float:
     """Dense fp32 bytes / bytes on the wire of one outer-sync fragment: 1 for DiLoCo's dense fp32;
-    SparseLoCo's expected ratio for the largest stage (protocol.sparseloco_format.ratio)."""
+    SparseLoCo's expected ratio for the largest stage (protocol.codecs.sparseloco_format.ratio)."""
     if spec.sync.method != "sparseloco":
         return 1.0
-    from protocol.sparseloco import SparseLoCoConfig
-    from protocol.sparseloco_format import ratio
+    from protocol.codecs.sparseloco import SparseLoCoConfig
+    from protocol.codecs.sparseloco_format import ratio
 
     m, s = spec.model, spec.sync
     d, f, V = m.d_model, m.d_ff, m.vocab

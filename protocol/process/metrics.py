@@ -18,8 +18,8 @@ from prometheus_client import CollectorRegistry, generate_latest
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric, SummaryMetricFamily
 from prometheus_client.registry import Collector
 
-from protocol.http_server import GuardedHTTPServer
-from protocol.store import ObjectStore
+from protocol.net.store import ObjectStore
+from protocol.process.http_server import GuardedHTTPServer
 
 CONTENT_TYPE = "text/plain; version=0.0.4; charset=utf-8"
 

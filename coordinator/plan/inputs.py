@@ -1,6 +1,6 @@
 """Planner inputs: the model's shape, the pool of hosts, and the run's schedule and wire settings.
 
-What `coordinator/planner.py` reads. Units: seconds, bits/s as Mbit/s (1e6), bytes, FLOPs; `peak` is
+What `coordinator/plan/planner.py` reads. Units: seconds, bits/s as Mbit/s (1e6), bytes, FLOPs; `peak` is
 dense bf16 tensor FLOP/s (accelerators.py).
 
     F = 6 N + 14 L d s
@@ -26,8 +26,8 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Literal
 
-from coordinator.accelerators import get_accelerator, peak_tflops
-from coordinator.plan_schedule import warmup_forwards
+from coordinator.plan.accelerators import get_accelerator, peak_tflops
+from coordinator.plan.schedule import warmup_forwards
 from protocol import memory
 from protocol.reference_block import REFERENCE_BLOCKS
 from protocol.runspec import ModelSpec

@@ -28,7 +28,7 @@ of 2^-149 costs up to another 1.5x. A bin mean lies within its bin, so every tab
 encoder has |table| <= 1.5 * 2^(1/16) sqrt(k) < 2 sqrt(k) (16 for k = 64). And max |table| * ref <= float32's
 max makes every decoded value table * s_c finite, since s_c <= ref. `compress` refuses what fails them.
 
-This module is the math (pure functions on tensors); `protocol.sparseloco_format` is the signed wire
+This module is the math (pure functions on tensors); `protocol.codecs.sparseloco_format` is the signed wire
 format with entropy-coded indices.
 """
 
@@ -203,7 +203,7 @@ def layout(shapes: tuple[Shape, ...], cfg: SparseLoCoConfig) -> Layout:
 
 @dataclass(frozen=True, eq=False)
 class CompressedFragment:
-    """A compressed list of tensors, in memory (the wire form is `protocol.sparseloco_format`).
+    """A compressed list of tensors, in memory (the wire form is `protocol.codecs.sparseloco_format`).
 
     N = kept entries, NC = chunks, T_s / T_d = sparse / dense tensors, D = dense elements.
     """
@@ -411,10 +411,12 @@ def _value_problem(cf: CompressedFragment) -> tuple[int, str] | None:
 def check_values(cf: CompressedFragment) -> None:
     """Raise `FragmentError` unless every value of cf decodes finite and its tables are ones an honest
     encoder writes (|table| <= `table_bound`, max |table| x ref within float32). `decompress`,
-    `decoded_entries` and `protocol.sparseloco_device.decompress_to` call it before decoding."""
+    `decoded_entries` and `protocol.codecs.sparseloco_device.decompress_to` call it before decoding."""
     problem = _value_problem(cf)
     if problem is not None:
-        from protocol.sparseloco_format import FragmentError  # lazy: the wire format imports this module
+        from protocol.codecs.sparseloco_format import (
+            FragmentError,  # lazy: the wire format imports this module
+        )
 
         raise FragmentError(f"fragment tensor {problem[0]}: {problem[1]}")
 

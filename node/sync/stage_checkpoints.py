@@ -1,6 +1,6 @@
 """Where one stage worker's checkpoints come from and go to (protocol/checkpoint.py holds the format).
 
-The round owner (node/outer_sync.py) decides when a checkpoint is due and what its state is; this class
+The round owner (node/sync/outer_sync.py) decides when a checkpoint is due and what its state is; this class
 knows whose checkpoints of this stage a node may resume from (the nodes of this stage in every replica,
 now or earlier in the run: a rebuilt replica resumes from its predecessor's), in which order replicas
 are tried (this replica's own first), and uploads in the background so training does not wait.
@@ -20,8 +20,8 @@ from protocol import keys
 from protocol.checkpoint import Checkpoint, CheckpointRefused, read_checkpoint, read_round, write_checkpoint
 from protocol.identity import Identity, public_key_of_peer_id
 from protocol.messages import Assignment
+from protocol.net.store import ObjectStore, StoreError
 from protocol.schema import ProtocolError
-from protocol.store import ObjectStore, StoreError
 
 log = logging.getLogger(__name__)
 

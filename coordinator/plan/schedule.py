@@ -1,7 +1,7 @@
 """Schedule replay: one replica's inner step, its pipeline schedule (1F1B or GPipe) replayed op by op.
 
 Exact where a closed form is not: with slow links the round trip, not the slowest stage, binds the
-steady state. The order of ops is node/schedule.py's.
+steady state. The order of ops is node/pipeline/schedule.py's.
 """
 
 from __future__ import annotations
@@ -40,7 +40,7 @@ def schedule_step(
 
     f[s], b[s]: forward and backward compute of stage s per microbatch; t_x[l], delay[l]: serialization
     and one-way latency of link l (stage l -> l+1), each direction a FIFO of its own (full duplex).
-    Stage s runs node/schedule.py's order: 1F1B does `warmup_forwards(S, s, extra_in_flight)` forwards,
+    Stage s runs node/pipeline/schedule.py's order: 1F1B does `warmup_forwards(S, s, extra_in_flight)` forwards,
     then alternates forward and backward, then drains; GPipe all forwards, then all backwards. An op starts when its stage is free and its input has arrived; a message starts
     serializing when its op ends and the link direction is free, and arrives t_x + delay later::
 

@@ -28,7 +28,7 @@ from typing import Protocol
 import torch
 
 from node.model import Stage, lm_loss
-from node.transport import Link
+from node.pipeline.transport import Link
 from protocol.schema import ProtocolError
 
 
@@ -72,7 +72,7 @@ class Evaluation:
 
     @property
     def bits_per_byte(self) -> float:
-        """sum nll / (ln 2 x bytes): the byte-level definition under any tokenizer (node/tokenizer.py)."""
+        """sum nll / (ln 2 x bytes): the byte-level definition under any tokenizer (node/data/tokenizer.py)."""
         if self.tokens == self.text_bytes:
             return self.loss / math.log(2)  # byte level: bits per token are bits per byte
         return self.loss * self.tokens / (math.log(2) * max(self.text_bytes, 1))

@@ -34,8 +34,8 @@ from collections import Counter, OrderedDict
 from collections.abc import Callable
 from dataclasses import dataclass, field
 
-from node.link_probe import serve_probe
-from node.transport import Shaper
+from node.pipeline.link_probe import serve_probe
+from node.pipeline.transport import Shaper
 from protocol.envelope import open_envelope
 from protocol.framing import HEADER
 from protocol.messages import Hello
@@ -138,7 +138,7 @@ class Acceptor:
         self.probe_shaper, self.max_probes = probe_shaper or Shaper(), max_probes
         self._probes_active = 0
         self.probes_served = 0
-        """Bandwidth probes answered (authenticated like hellos; node/link_probe.py)."""
+        """Bandwidth probes answered (authenticated like hellos; node/pipeline/link_probe.py)."""
         self._port = int(server.getsockname()[1])
         self.rejected = 0
         """Connections refused for their hello: malformed, badly signed, misaddressed, stale, replayed,
@@ -309,7 +309,7 @@ class Acceptor:
                 self._hold(hello, hs.conn)
 
     def _probe(self, hello: Hello, hs: _Handshake) -> None:
-        """An authenticated bandwidth probe (node/link_probe.py): served on its own thread, at most
+        """An authenticated bandwidth probe (node/pipeline/link_probe.py): served on its own thread, at most
         `max_probes` at once (a node probes a few peers per refresh; more is a flood)."""
         with self._cond:
             busy = self._probes_active >= self.max_probes or self.peer_id is None

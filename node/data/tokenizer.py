@@ -24,7 +24,7 @@ from typing import Any
 
 import numpy as np
 
-from node.corpus_files import DataError
+from node.data.corpus_files import DataError
 
 log = logging.getLogger(__name__)
 

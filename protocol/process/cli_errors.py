@@ -138,7 +138,7 @@ def check_keys(where: str, data: Mapping[str, Any], allowed: Sequence[str]) -> N
 
 EXAMPLE_PEER_ID = "12D3KooWDpJ7As7BWAwRMfu1VU2WCqNjvq387JEYKDBj4kx6nXTN"
 EXAMPLE_MULTIADDR = f"/ip4/203.0.113.7/tcp/31337/p2p/{EXAMPLE_PEER_ID}"
-"""The same example as `protocol.dht_client.EXAMPLE_MULTIADDR`, importable without hivemind."""
+"""The same example as `protocol.net.dht_client.EXAMPLE_MULTIADDR`, importable without hivemind."""
 
 
 class ArgumentParser(argparse.ArgumentParser):
@@ -156,7 +156,7 @@ class ArgumentParser(argparse.ArgumentParser):
 
 def check_multiaddr(flag: str, value: str, example: str = EXAMPLE_MULTIADDR) -> str:
     """A peer's multiaddr with a TCP port and a peer id, as `--bootstrap` takes; the checks of
-    `protocol.dht_client.validate_multiaddr`, without importing hivemind."""
+    `protocol.net.dht_client.validate_multiaddr`, without importing hivemind."""
     from multiaddr import Multiaddr  # light; hivemind (seconds to import) is not needed to parse
 
     try:

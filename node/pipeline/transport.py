@@ -6,7 +6,7 @@ overlaps with bytes on the wire. The inbox is bounded too (`inbox_frames` frames
 one frame always admitted): when it is full the receiver stops reading, TCP's window closes, and a peer
 that sends faster than this stage consumes, or floods it, is backpressured instead of growing this
 node's memory. The 1F1B schedule keeps at most `warmup + 1` microbatches in flight per direction
-(node/schedule.py), below the default `inbox_frames`, so the bound does not stall a correct peer.
+(node/pipeline/schedule.py), below the default `inbox_frames`, so the bound does not stall a correct peer.
 
 An optional in-process shaper emulates a WAN link per direction: the sender paces frames to
 `bandwidth_mbps` (serialization delay) and the receiver releases each frame `delay_ms` after it arrived
@@ -101,7 +101,7 @@ class Link:
         """Queue a frame; blocks while the queue is full (backpressure).
 
         payload may be a callable that returns the frame: the sender thread calls it, so a frame whose
-        bytes are still being copied off a GPU (protocol.subspace `encode_async`) does not block compute."""
+        bytes are still being copied off a GPU (protocol.codecs.subspace `encode_async`) does not block compute."""
         if isinstance(payload, bytes) and len(payload) > self.max_frame_bytes:
             raise FrameError(f"frame of {len(payload)} bytes exceeds the {self.max_frame_bytes}-byte limit")
         deadline = None if timeout_s is None else time.monotonic() + timeout_s

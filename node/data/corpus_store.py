@@ -5,7 +5,7 @@
 `fetch_corpus` reads the manifest (refusing one whose hash is not the spec's before any shard is fetched),
 then streams each shard to a content-addressed cache on disk (`{cache}/shards/{sha256}`), checking its
 size and sha256 as it arrives; a shard already cached is not fetched again. Nothing is held in memory:
-node/data.py reads windows of the cached files.
+node/data/corpus.py reads windows of the cached files.
 
 A run's tokenizer.json can travel the same way (`publish_tokenizer`, `fetch_tokenizer`): one object at an
 `s3://bucket/key` the spec names in `train.tokenizer`, checked against `train.tokenizer_sha256` as it
@@ -23,7 +23,14 @@ import shutil
 from dataclasses import replace
 from pathlib import Path
 
-from node.corpus_files import SNIFF_BYTES, CorpusScan, DataError, file_sha256, is_text, manifest_of
+from node.data.corpus_files import (
+    SNIFF_BYTES,
+    CorpusScan,
+    DataError,
+    file_sha256,
+    is_text,
+    manifest_of,
+)
 from protocol.corpus import (
     MAX_MANIFEST_BYTES,
     ManifestError,
@@ -35,7 +42,7 @@ from protocol.corpus import (
     parse_store_url,
     shard_key,
 )
-from protocol.store import ObjectStore, StoreError
+from protocol.net.store import ObjectStore, StoreError
 
 log = logging.getLogger(__name__)
 
@@ -97,7 +104,7 @@ def fetch_tokenizer(
     if data is None:
         raise DataError(
             f"train.tokenizer {url!r} does not exist in the store: upload it with "
-            "node.corpus_store.publish_tokenizer, or `crucible-swarm --tokenizer FILE --data-in-store`"
+            "node.data.corpus_store.publish_tokenizer, or `crucible-swarm --tokenizer FILE --data-in-store`"
         )
     found = hashlib.sha256(data).hexdigest()
     if expected_sha256 and found != expected_sha256:
@@ -123,7 +130,7 @@ def read_manifest(store: ObjectStore, url: str, expected_sha256: str = "") -> tu
     if data is None:
         raise DataError(
             f"train.data {url!r} has no manifest (s3://{bucket}/{key}): publish the corpus with "
-            "node.corpus_store.publish_corpus, or `crucible-swarm --data DIR --data-in-store`"
+            "node.data.corpus_store.publish_corpus, or `crucible-swarm --data DIR --data-in-store`"
         )
     found = hashlib.sha256(data).hexdigest()
     if expected_sha256 and found != expected_sha256:

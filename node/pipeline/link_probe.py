@@ -26,7 +26,7 @@ import socket
 import time
 from dataclasses import dataclass
 
-from node.transport import Shaper
+from node.pipeline.transport import Shaper
 from protocol.envelope import seal
 from protocol.framing import encode_frame
 from protocol.identity import Identity

@@ -1,14 +1,14 @@
 """DiLoCo's dense pseudo-gradient codec (arXiv 2311.08105): fp32 tensors in a signed envelope.
 
-The baseline `FragmentCodec` of `node.outer_sync.OuterSync`; SparseLoCo's is `node.sparseloco_sync`.
+The baseline `FragmentCodec` of `node.sync.outer_sync.OuterSync`; SparseLoCo's is `node.sync.sparseloco_sync`.
 """
 
 from __future__ import annotations
 
 import torch
 
-from node.outer_sync import Encoding, FragmentCodec, FragmentId
-from protocol.dense_fragment import MAX_DENSE_FRAGMENT_BYTES, decode_dense, encode_dense
+from node.sync.outer_sync import Encoding, FragmentCodec, FragmentId
+from protocol.codecs.dense_fragment import MAX_DENSE_FRAGMENT_BYTES, decode_dense, encode_dense
 from protocol.identity import Identity
 
 

@@ -2,8 +2,8 @@
 
 A corpus (`train.data`) is "stdlib" (the Python standard library's source, on every machine), local text
 files (a file, a folder, a glob; a relative path resolves under the node's `--data-root`) or
-`s3://bucket/prefix` shards in the object store (node/corpus_store.py). Its token stream is the files'
-bytes in name order, or with `train.tokenizer` their token ids (node/tokenizer.py, cached on disk). Nothing
+`s3://bucket/prefix` shards in the object store (node/data/corpus_store.py). Its token stream is the files'
+bytes in name order, or with `train.tokenizer` their token ids (node/data/tokenizer.py, cached on disk). Nothing
 is loaded whole and nothing is cut: windows are read from the files when a batch needs them.
 
 The corpus's content hash (protocol/corpus.py) is computed as it is opened and must equal
@@ -26,9 +26,9 @@ from pathlib import Path
 import numpy as np
 import torch
 
-from node.corpus_files import DataError, manifest_of, scan_corpus
-from node.corpus_store import fetch_corpus, fetch_tokenizer
-from node.tokenizer import (
+from node.data.corpus_files import DataError, manifest_of, scan_corpus
+from node.data.corpus_store import fetch_corpus, fetch_tokenizer
+from node.data.tokenizer import (
     MAX_TOKENIZER_BYTES,
     LoadedTokenizer,
     check_vocab,
@@ -37,8 +37,8 @@ from node.tokenizer import (
     token_byte_lengths,
 )
 from protocol.corpus import corpus_sha256, is_store_url
+from protocol.net.store import ObjectStore
 from protocol.runspec import TrainSpec
-from protocol.store import ObjectStore
 
 __all__ = ["Corpus", "DataError", "DataSource", "ShardReader", "TokenSpan", "load_corpus"]
 

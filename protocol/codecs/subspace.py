@@ -466,7 +466,7 @@ _NAME_OF = {Kind.FORWARD: "train", Kind.EVAL: "eval"}
 
 @dataclass(frozen=True, eq=False)  # holds tensors: identity equality
 class SubspaceBoundary:
-    """A stage boundary: codec + U_k (None = dense) + T; node/schedule.py's `BoundaryCodec` interface.
+    """A stage boundary: codec + U_k (None = dense) + T; node/pipeline/schedule.py's `BoundaryCodec` interface.
 
     Sender (stage s):   pack_fwd(X)  sends Z = (X - T[x]) U;   later  X.backward(unpack_bwd(msg))  uses
                         G_X = G_Z U^T.

@@ -21,13 +21,13 @@ arguments exits 2 with one line naming it; --debug shows tracebacks.
 from __future__ import annotations
 
 import argparse
-import ipaddress
 import logging
 import math
 import os
 import re
 import sys
 import time
+from dataclasses import replace
 from pathlib import Path
 from typing import TYPE_CHECKING
 
@@ -43,18 +43,16 @@ from protocol.delegation import OperatorTrust, RefusalLog, issue, utc
 from protocol.identity import Identity
 from protocol.messages import ANY_RUN, MAX_DELEGATION_S, NodeAdvert, RunRecord
 from protocol.process.cli_errors import (
-    EXAMPLE_MULTIADDR,
     ArgumentParser,
     UsageError,
     bad_input,
-    check_multiaddr,
     check_peer_id,
     check_port_free,
-    check_positive,
-    check_url,
     run_cli,
 )
 from protocol.process.logs import add_log_args, json_line, setup_logging, version
+from protocol.process.serve_config import STORE_FLAGS, ServeConfig
+from protocol.process.settings import SettingValues, add_flags, from_args, settings_of
 from protocol.process.signals import install_stop_signals
 from protocol.runspec import check_run_id, load_run_spec
 
@@ -66,8 +64,10 @@ log = logging.getLogger("crucible.coordinator")
 PROG = "crucible-coordinator"
 EPILOG = (__doc__ or "").split("\n\n", 1)[1]
 """The examples and notes of the module docstring (its title is the parser's description)."""
-BUCKET_PATTERN = re.compile(r"[a-z0-9][a-z0-9.-]{1,61}[a-z0-9]")
-"""S3 bucket names (as MinIO and R2 apply them too): 3-63 lowercase letters, digits, dots and dashes."""
+SERVE = {s.key: s for s in settings_of(ServeConfig)}
+"""serve's settings (protocol/process/serve_config.py); launch, status, stop and export take the swarm's
+and the store's (SHARED) too."""
+SHARED = ("bootstrap", "host", *STORE_FLAGS)
 
 
 def _common_args(p: argparse.ArgumentParser, *, log_default: str = "WARNING") -> None:
@@ -81,16 +81,7 @@ def _key_file_arg(p: argparse.ArgumentParser, help: str) -> None:
 
 
 def _store_args(p: argparse.ArgumentParser) -> None:
-    p.add_argument(
-        "--store-endpoint",
-        required=True,
-        metavar="URL",
-        help="S3-compatible endpoint URL (example: https://ACCOUNT.r2.cloudflarestorage.com, "
-        "http://127.0.0.1:9000)",
-    )
-    p.add_argument("--store-bucket", default="crucible", help="bucket (default: crucible)")
-    p.add_argument("--store-access-key", default="", help="access key id (default: boto3's chain)")
-    p.add_argument("--store-secret-key", default="", help="secret key (default: boto3's chain)")
+    add_flags(p, [SERVE[k] for k in STORE_FLAGS])
 
 
 def _swarm_args(
@@ -98,17 +89,10 @@ def _swarm_args(
 ) -> None:
     """dht=False: the command does not use the DHT (stop writes to the store), so --bootstrap is
     accepted but not required."""
-    p.add_argument(
-        "--bootstrap",
-        action="append",
-        required=dht,
-        metavar="MULTIADDR",
-        help=f"multiaddr of a swarm peer, repeatable (example: {EXAMPLE_MULTIADDR})"
-        + ("" if dht else "; not needed by this command"),
-    )
-    p.add_argument(
-        "--host", default="127.0.0.1", help="IPv4 address for this process's DHT peer (default 127.0.0.1)"
-    )
+    bootstrap = SERVE["bootstrap"]
+    if not dht:
+        bootstrap = replace(bootstrap, required=False, help=f"{bootstrap.help}; not needed by this command")
+    add_flags(p, [bootstrap, SERVE["host"]])
     if store:
         _store_args(p)
     if key:
@@ -143,54 +127,7 @@ def build_parser() -> argparse.ArgumentParser:
         "serve", help="run a coordinator: take launched runs' leases, place nodes, publish assignments"
     )
     _swarm_args(s, store=True, key=True, log_default="INFO")
-    s.add_argument(
-        "--lease-s",
-        type=float,
-        default=15.0,
-        metavar="SECONDS",
-        help="run lease duration, renewed every tick; another coordinator takes a lapsed one over "
-        "(default %(default)g)",
-    )
-    s.add_argument(
-        "--churn-grace-s",
-        type=float,
-        default=10.0,
-        metavar="SECONDS",
-        help="how long an assigned node may be silent before it counts as gone (default %(default)g)",
-    )
-    s.add_argument(
-        "--key-file",
-        metavar="PATH",
-        help="sign with this key (a node's key file, never created) under --certificate, instead of the "
-        "operator's key: the operator key need not be on this host",
-    )
-    s.add_argument(
-        "--certificate",
-        metavar="PATH",
-        help="the certificate `crucible-coordinator certify` issued for --key-file's peer id; checked at "
-        "start (missing, expired, for another key or not signed by --operator-key: one line, exit 2)",
-    )
-    s.add_argument(
-        "--operator-key",
-        default="",
-        metavar="PEER_ID",
-        help="with --certificate: peer id (12D3KooW...) of the operator whose runs this coordinator serves "
-        "(the --operator-key its nodes trust)",
-    )
-    s.add_argument(
-        "--http-host",
-        default="127.0.0.1",
-        metavar="ADDR",
-        help="address the dashboard and /metrics listen on (default 127.0.0.1; 0.0.0.0 for every interface)",
-    )
-    s.add_argument(
-        "--http-port",
-        type=int,
-        default=0,
-        metavar="PORT",
-        help="port of the dashboard (/), its API (/api/runs) and Prometheus /metrics (default 0: any free "
-        "port; the URL is printed and published in each run's record for `status`)",
-    )
+    add_flags(s, [setting for key, setting in SERVE.items() if key not in SHARED])
     s.set_defaults(operator_key_file=None)  # given explicitly, or DEFAULT when signing with the operator key
 
     ce = sub.add_parser(
@@ -312,8 +249,9 @@ def parse_expiry(value: str, now: float) -> float:
 def _check_serve_keys(args: argparse.Namespace) -> None:
     """serve signs with the operator key (--operator-key-file), or with its own key under a certificate
     (--key-file, --certificate, --operator-key): sets args.signer, args.certificate_bytes, args.trust."""
-    if not (args.key_file or args.certificate):
-        if args.operator_key:
+    cfg: ServeConfig = args.serve
+    if not (cfg.key_file or cfg.certificate):
+        if cfg.operator_key:
             raise UsageError(
                 "--operator-key is for a coordinator signing under --certificate; with the operator's own key "
                 "(--operator-key-file) leave it out"
@@ -327,45 +265,35 @@ def _check_serve_keys(args: argparse.Namespace) -> None:
             "--operator-key-file and --certificate both given: a coordinator signs either with the operator "
             f"key or with its own certified key (example: {example})"
         )
-    for flag, value in (("--key-file", args.key_file), ("--certificate", args.certificate)):
+    for flag, value in (("--key-file", cfg.key_file), ("--certificate", cfg.certificate)):
         if not value:
             raise UsageError(
                 f"{flag} is missing: --key-file and --certificate go together (example: {example})"
             )
-    if not args.operator_key:
+    if not cfg.operator_key:
         raise UsageError(
             "--certificate needs --operator-key PEER_ID: the operator whose runs this coordinator serves, the "
             f"peer id its nodes trust (example: {example})"
         )
-    args.signer = load_signing_key(args.key_file)
-    args.trust = OperatorTrust.of_peer_ids(args.operator_key)
-    args.certificate_bytes = load_certificate(args.certificate, args.signer, args.trust)
+    args.signer = load_signing_key(cfg.key_file)
+    args.trust = OperatorTrust.of_peer_ids(cfg.operator_key)
+    args.certificate_bytes = load_certificate(cfg.certificate, args.signer, args.trust)
 
 
 def check_args(args: argparse.Namespace) -> None:
     """Every check that needs no network and no heavy import, before any command starts: the flags'
     syntax, the run spec, the operator key. Loads what later steps use (`args.spec`, `args.operator`)."""
-    for addr in getattr(args, "bootstrap", None) or []:
-        check_multiaddr("--bootstrap", addr)
-    host = getattr(args, "host", None)
-    if host is not None:
-        try:
-            ipaddress.IPv4Address(host)
-        except ValueError as e:
-            raise bad_input("--host", host, "not an IPv4 address", "--host 0.0.0.0") from e
+    if args.command == "serve":  # every serve flag typed and checked by its declaration
+        args.serve = from_args(ServeConfig, args)
+    else:  # the ones a command shares with serve
+        given = SettingValues.of(SERVE[k] for k in SHARED if hasattr(args, SERVE[k].dest))
+        given.read_flags(args)
+        given.check()
     if getattr(args, "store_endpoint", None) is not None:
-        check_url("--store-endpoint", args.store_endpoint)
-        if not BUCKET_PATTERN.fullmatch(args.store_bucket):
-            raise bad_input(
-                "--store-bucket",
-                args.store_bucket,
-                "not a bucket name (3-63 lowercase letters, digits, dots or dashes)",
-                "--store-bucket crucible",
-            )
         if bool(args.store_access_key) != bool(args.store_secret_key):
-            given = "--store-access-key" if args.store_access_key else "--store-secret-key"
+            alone = "--store-access-key" if args.store_access_key else "--store-secret-key"
             raise UsageError(
-                f"{given} given alone: give both --store-access-key and --store-secret-key, or neither "
+                f"{alone} given alone: give both --store-access-key and --store-secret-key, or neither "
                 "(boto3's chain: AWS_ACCESS_KEY_ID and AWS_SECRET_ACCESS_KEY, or an AWS profile)"
             )
     if getattr(args, "run_id", None):
@@ -376,9 +304,7 @@ def check_args(args: argparse.Namespace) -> None:
     if getattr(args, "operator_key", ""):
         check_peer_id("--operator-key", args.operator_key)
     if args.command == "serve":
-        check_positive("--lease-s", args.lease_s, "--lease-s 15")
-        check_positive("--churn-grace-s", args.churn_grace_s, "--churn-grace-s 10")
-        check_port_free("--http-port", args.http_host, args.http_port)
+        check_port_free("--http-port", args.serve.http_host, args.serve.http_port)
     if getattr(args, "round", None) is not None and args.round < 1:
         raise bad_input("--round", args.round, "rounds count from 1; omit it for the newest", "--round 12")
     if args.command == "export":
@@ -545,6 +471,7 @@ def cmd_serve(args: argparse.Namespace) -> int:
     from coordinator.dashboard import Dashboard
     from coordinator.service import Coordinator
 
+    cfg: ServeConfig = args.serve
     ident: Identity = args.signer
     store = _store(args)
     store.ensure_bucket()
@@ -553,24 +480,24 @@ def cmd_serve(args: argparse.Namespace) -> int:
         ident,
         dht,
         store,
-        lease_s=args.lease_s,
-        churn_grace_s=args.churn_grace_s,
+        lease_s=cfg.lease_s,
+        churn_grace_s=cfg.churn_grace_s,
         certificate=args.certificate_bytes,
         trust=args.trust,
     )
     install_stop_signals(coord.stop_event.set)
     if args.certificate_bytes:
-        who = f"coordinator={ident.peer_id} certified by operator={args.operator_key}"
-        signer = {"operator": args.operator_key, "coordinator": ident.peer_id}
+        who = f"coordinator={ident.peer_id} certified by operator={cfg.operator_key}"
+        signer = {"operator": cfg.operator_key, "coordinator": ident.peer_id}
     else:
         who = f"operator={ident.peer_id}"
         signer = {"operator": ident.peer_id}
     try:
-        dashboard = Dashboard(coord, args.http_host, args.http_port)
+        dashboard = Dashboard(coord, cfg.http_host, cfg.http_port)
     except RuntimeError:
         dht.shutdown()
         raise
-    shown = "127.0.0.1" if args.http_host in ("0.0.0.0", "") else args.http_host
+    shown = "127.0.0.1" if cfg.http_host in ("0.0.0.0", "") else cfg.http_host
     coord.dashboard_url = f"http://{shown}:{dashboard.port}/"
     ready = f"{PROG} ready: {who} dht={dht.peer_id} dashboard={coord.dashboard_url}"
     if args.log_format == "json":  # a log collector reading the json format parses this line too

@@ -4,14 +4,10 @@ from __future__ import annotations
 
 import math
 import re
-from typing import TYPE_CHECKING
 
+from coordinator.managed_run import ManagedRun
 from coordinator.run_figures import History
 from protocol.messages import NodeAdvert, RunRecord
-
-if TYPE_CHECKING:
-    from coordinator.service import ManagedRun
-
 
 DROPPED_OUT = "dropped out"
 """The state `status` and the dashboard show for the nodes of a replica that left the run."""

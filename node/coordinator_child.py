@@ -6,6 +6,10 @@ node's own key under the operator's certificate for it. Every candidate's coordi
 run's lease in the store; the holder leads that run and names itself in the run's DHT record, and when it
 dies its lease lapses and another candidate takes over with a higher term (coordinator/lease.py). The node
 restarts a child that exits, with exponential backoff, and stops it when the node stops.
+
+The child is configured by a `ServeConfig` (protocol/process/serve_config.py), the object `serve` parses
+its command line into: built here from the node's settings (`role_config`), handed to the child as its
+command line, the store's keys by environment (`ps` shows a command line).
 """
 
 from __future__ import annotations
@@ -20,6 +24,9 @@ import threading
 import time
 from pathlib import Path
 
+from node.config import NodeConfig
+from protocol.process.serve_config import ServeConfig
+from protocol.process.settings import to_argv, to_env
 from protocol.process.signals import die_with_parent
 
 log = logging.getLogger(__name__)
@@ -29,12 +36,31 @@ HEALTHY_AFTER_S = 60.0
 """A child that ran this long resets the backoff."""
 
 
+def role_config(cfg: NodeConfig, bootstrap: list[str]) -> ServeConfig:
+    """The coordinator role of the node `cfg` configures: its swarm (`bootstrap`: the node's own, or its
+    address when it started the swarm), its store, its key under its certificate, and its timers."""
+    store = cfg.store
+    assert store is not None  # NodeConfig: an eligible node has one
+    return ServeConfig(
+        bootstrap=bootstrap,
+        host=cfg.host,
+        store_endpoint=store.endpoint_url,
+        store_bucket=store.bucket,
+        store_access_key=store.access_key,
+        store_secret_key=store.secret_key,
+        key_file=str(Path(cfg.key_file).expanduser()),
+        certificate=cfg.coordinator_certificate,
+        operator_key=cfg.operator_key,
+        lease_s=cfg.coordinator_lease_s,
+        churn_grace_s=cfg.coordinator_churn_grace_s,
+    )
+
+
 class CoordinatorChild:
     """Starts, restarts (with backoff) and stops one `crucible-coordinator serve` process."""
 
-    def __init__(self, args: list[str], log_path: Path, env: dict[str, str] | None = None) -> None:
-        """args: the arguments after `python -m coordinator.cli serve`; env: added to the environment."""
-        self.args, self.log_path, self.env = args, log_path, env or {}
+    def __init__(self, config: ServeConfig, log_path: Path) -> None:
+        self.config, self.log_path = config, log_path
         self.proc: subprocess.Popen | None = None
         self.restarts = 0
         self._stop = threading.Event()
@@ -48,13 +74,13 @@ class CoordinatorChild:
         self.log_path.parent.mkdir(parents=True, exist_ok=True)
         with open(self.log_path, "ab") as out:
             self.proc = subprocess.Popen(
-                [sys.executable, "-m", "coordinator.cli", "serve", *self.args],
+                [sys.executable, "-m", "coordinator.cli", "serve", *to_argv(self.config)],
                 stdout=out,
                 stderr=subprocess.STDOUT,
                 stdin=subprocess.DEVNULL,
                 start_new_session=True,  # its DHT daemon goes with it on stop
                 preexec_fn=die_with_parent,  # a crashed node's coordinator does not lead on without it
-                env={**os.environ, **self.env, "PYTHONUNBUFFERED": "1"},
+                env={**os.environ, **to_env(self.config), "PYTHONUNBUFFERED": "1"},
             )
         self._started = time.monotonic()
         log.info("coordinator role started (pid %d, log %s)", self.proc.pid, self.log_path)

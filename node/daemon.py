@@ -2,7 +2,9 @@
 
 Threads: the main thread polls the DHT for this node's assignment (a current one only: `AssignmentSource`)
 and its run's state; the advert thread refreshes the signed advert before its TTL runs out; the worker
-thread trains; link, acceptor and health threads serve I/O. SIGINT/SIGTERM stop the worker at the next
+thread trains; the link prober (node/pipeline/link_prober.py) measures links while idle; link, acceptor and
+health threads serve I/O; a coordinator-eligible node supervises its coordinator child
+(node/coordinator_child.py). Its settings: NodeConfig (node/config.py). SIGINT/SIGTERM stop the worker at the next
 step boundary, then everything closes in order and the process exits 0.
 """
 
@@ -12,18 +14,18 @@ import contextlib
 import logging
 import threading
 import time
-from dataclasses import dataclass, field
 from pathlib import Path
 
 import torch
 
-from node.coordinator_child import CoordinatorChild
+from node.config import NodeConfig
+from node.coordinator_child import CoordinatorChild, role_config
 from node.data.corpus import DataError, DataSource
 from node.device import DeviceError, describe, free_memory_bytes, resolve_device, resolve_precision
 from node.health import HealthServer
 from node.metrics import NodeMetrics, node_families
 from node.pipeline.acceptor import Acceptor
-from node.pipeline.link_probe import LinkMeasure, ProbeError, probe_peer
+from node.pipeline.link_prober import LinkProber
 from node.pipeline.transport import LinkError, Shaper, listen
 from node.preflight import refuse_if_taken, refuse_live_twin
 from node.probe import device_name, measure_reference_block, measure_store_mbps, measure_tflops, memory_gb
@@ -34,23 +36,17 @@ from protocol.delegation import OperatorTrust, RefusalLog
 from protocol.identity import Identity, public_key_of_peer_id
 from protocol.memory import GB, fits, stage_memory
 from protocol.messages import (
-    MAX_MBPS,
-    MAX_PRICE_PER_HOUR,
-    MAX_PROBE_BYTES,
-    MAX_RTT_MS,
     Assignment,
     NodeAdvert,
     RunRecord,
 )
 from protocol.net.dht_client import DHTClient, dht_time
-from protocol.net.store import ObjectStore, StoreConfig, StoreError
+from protocol.net.store import ObjectStore, StoreError
 from protocol.process.metrics import render
-from protocol.schema import ProtocolError, check_range
+from protocol.schema import ProtocolError
 
 log = logging.getLogger(__name__)
 VERSION = "0.1.0"
-ADVERTISED_PEERS = 16
-"""Measured links a node advertises (the most recent ones)."""
 ADVERT_ERROR_CHARS = 500  # the reason a failed assignment is advertised with, cut to keep adverts small
 ENDED = ("stopping", "stopped", "done", "failed")
 """Run states in which no node takes the run's work, or keeps doing it."""
@@ -59,121 +55,6 @@ ARCHIVE_READS = 4
 archive names costs a few GETs and supersedes nothing (only what a trusted key signed counts)."""
 MAX_JUDGED = 1024
 """Stale assignments remembered (then forgotten all at once, and judged again if still published)."""
-
-
-@dataclass(kw_only=True, frozen=True)
-class NodeConfig:
-    """How a node joins the swarm and what it offers. Loaded from TOML ([node], [store]) and CLI flags."""
-
-    bootstrap: list[str] = field(default_factory=list)
-    """Multiaddrs of DHT peers to join through; empty = start a new swarm."""
-    host: str = "127.0.0.1"
-    """Address to listen on (pipeline TCP, DHT, health)."""
-    announce_host: str = ""
-    """Address other nodes should dial (default: host)."""
-    port: int = 0
-    """Pipeline TCP port (0 = any free port)."""
-    dht_port: int = 0
-    """DHT (libp2p) TCP port (0 = any free port)."""
-    health_port: int = 0
-    """HTTP health/metrics port (0 = any free port)."""
-    key_file: str = "~/.crucible/node.key"
-    """Ed25519 identity seed; created on first start. The peer id is derived from it."""
-    operator_key: str = ""
-    """Peer id (12D3KooW...) of the swarm operator whose signatures on runs and assignments are trusted,
-    with those of the coordinator keys it certified (protocol/delegation.py). Required to join
-    (`crucible-node join` refuses to start without it): nothing else is trusted."""
-    price_per_hour: float = 0.0
-    """What this host costs, USD per hour (advertised for placement and $/Mtok)."""
-    store: StoreConfig | None = None
-    """The object store the run synchronises through."""
-    advert_ttl_s: float = 30.0
-    """DHT advert lifetime; refreshed every third of it."""
-    poll_s: float = 1.0
-    """How often to look for a new assignment or a stop request."""
-    torch_threads: int = 0
-    """torch intra-op threads (0 = torch's default)."""
-    device: str = "auto"
-    """Where stages train: "auto" (the first CUDA GPU not taken by another node on this host, else the
-    CPU), "cuda", "cuda:N" or "cpu"."""
-    compile: bool = True
-    """torch.compile the stage on CUDA (first step slower, then ~20% more MFU); off with --no-compile."""
-    emulate_mbps: float = 0.0
-    """Emulate a slow link: pace this node's pipeline sends and bandwidth probes at this many Mbit/s
-    (testing on one host; 0 = off). The run spec's [pipeline] shaper still applies; the slower wins."""
-    emulate_delay_ms: float = 0.0
-    """Emulated one-way delay added to this node's pipeline frames (testing; 0 = off)."""
-    probe_every_s: float = 30.0
-    """While not training, measure bandwidth and RTT to `probe_peers` other nodes this often."""
-    probe_peers: int = 2
-    """Peers probed per round (the least recently measured first); never a flood."""
-    probe_bytes: int = 1 << 20
-    """Bytes per probe (capped by the protocol at 16 MiB)."""
-    coordinator_eligible: bool = False
-    """Run the coordinator role as a child process (node/coordinator_child.py): a candidate in the
-    election by store lease, signing with this node's key under `coordinator_certificate`."""
-    coordinator_certificate: str = ""
-    """The certificate `crucible-coordinator certify` issued to this node's peer id (required when
-    eligible)."""
-    coordinator_lease_s: float = 15.0
-    """Lease duration of the coordinator role: how long a dead leader holds its runs before another
-    candidate takes over."""
-    coordinator_churn_grace_s: float = 10.0
-    """The coordinator role's churn grace: how long a placed node may be silent (2x: gone) before its
-    replica is rebuilt."""
-    data_root: str = ""
-    """Folder a run's relative train.data and train.tokenizer resolve under (so one host can hold nodes
-    with different copies), and where shards fetched from the store and token files are cached
-    (`.crucible-cache` in it). Empty = the working folder, the cache in ~/.crucible/cache."""
-
-    def __post_init__(self) -> None:
-        d = self.device.strip().lower()
-        if not (d in ("auto", "cpu", "cuda") or (d.startswith("cuda:") and d[5:].isdigit())):
-            raise ValueError(
-                f"device {self.device!r} is not one of auto, cpu, cuda, cuda:N (example: cuda:0)"
-            )
-        if self.advert_ttl_s < 3:
-            raise ValueError(f"advert_ttl_s must be at least 3 s, got {self.advert_ttl_s}")
-        # the advert's own rules, checked here so a bad figure stops the start, not every advert refresh
-        check_range("price_per_hour (--price-per-hour)", self.price_per_hour, 0, MAX_PRICE_PER_HOUR)
-        for name, port in (
-            ("port", self.port),
-            ("dht_port", self.dht_port),
-            ("health_port", self.health_port),
-        ):
-            check_range(f"{name} (--{name.replace('_', '-')})", port, 0, 65535)
-        check_range("poll_s", self.poll_s, 0.01, 3600)
-        check_range("torch_threads (--torch-threads)", self.torch_threads, 0, 4096)
-        check_range("emulate_mbps (--emulate-mbps)", self.emulate_mbps, 0, MAX_MBPS)
-        check_range("emulate_delay_ms (--emulate-delay-ms)", self.emulate_delay_ms, 0, MAX_RTT_MS)
-        check_range("probe_every_s (--probe-every-s)", self.probe_every_s, 1, 86400)
-        check_range("probe_peers (--probe-peers)", self.probe_peers, 0, ADVERTISED_PEERS)
-        check_range("probe_bytes (--probe-bytes)", self.probe_bytes, 1024, MAX_PROBE_BYTES)
-        check_range("coordinator_lease_s (--coordinator-lease-s)", self.coordinator_lease_s, 1, 3600)
-        check_range(
-            "coordinator_churn_grace_s (--coordinator-churn-grace-s)", self.coordinator_churn_grace_s, 1, 3600
-        )
-        if self.data_root and not Path(self.data_root).expanduser().is_dir():
-            raise ValueError(
-                f"data_root (--data-root) {self.data_root!r} is not a folder (example: --data-root /srv/corpora)"
-            )
-        if self.coordinator_eligible and not self.coordinator_certificate:
-            raise ValueError(
-                "coordinator_eligible needs coordinator_certificate: the operator issues one with "
-                "`crucible-coordinator certify PEER_ID --expires 30d --any-run --out node.cert` "
-                "(example: --coordinator-certificate node.cert)"
-            )
-        if self.coordinator_eligible and self.store is None:
-            raise ValueError(
-                "coordinator_eligible needs a store (--store-endpoint): the leader holds its lease there"
-            )
-        if self.operator_key:
-            try:
-                public_key_of_peer_id(self.operator_key)
-            except ProtocolError as e:
-                raise ValueError(
-                    f"operator_key {self.operator_key!r}: {e} (give the operator's 12D3KooW... peer id)"
-                ) from e
 
 
 def memory_refusal(a: Assignment, device: torch.device, free_bytes: int) -> str | None:
@@ -222,6 +103,23 @@ class AssignmentSource:
         """(run, term, epoch, issued_at) -> why that assignment is not current."""
         self.last_ignored: dict | None = None
         """The last assignment found not current and why, for /status."""
+        self._older_said: set[tuple[int, int, float]] = set()
+
+    def say_older(self, found: list[Assignment], held: Assignment) -> None:
+        """Log, once each, the assignments of the held one's run older than it: e.g. what a deposed
+        coordinator still signs at its lower term."""
+        for x in found:
+            if x.run_id == held.run_id and (x.term, x.epoch) < (held.term, held.epoch):
+                if (x.term, x.epoch, x.issued_at) not in self._older_said:
+                    self._older_said.add((x.term, x.epoch, x.issued_at))
+                    log.info(
+                        "ignoring stale assignment of run %s term %d epoch %d (holding term %d epoch %d)",
+                        x.run_id,
+                        x.term,
+                        x.epoch,
+                        held.term,
+                        held.epoch,
+                    )
 
     def found(self) -> list[Assignment]:
         """This node's assignments in the DHT that a trusted key signed."""
@@ -346,7 +244,6 @@ class NodeDaemon:
         self.assignment: Assignment | None = None
         self._stop_reason: str | None = None
         self.coordinator_role: CoordinatorChild | None = None
-        self._stale_logged: set[tuple[int, int, float]] = set()
         self._worker_thread: threading.Thread | None = None
         self._worker: StageWorker | None = None
         try:
@@ -365,7 +262,6 @@ class NodeDaemon:
                 raise
             # hellos addressed to us only
             self.shaper = Shaper(bandwidth_mbps=cfg.emulate_mbps, delay_ms=cfg.emulate_delay_ms)
-            self.links: dict[str, LinkMeasure] = {}  # peer -> the latest probe of it
             self.acceptor = Acceptor(self.server, peer_id=self.identity.peer_id, probe_shaper=self.shaper)
             undo.callback(self.acceptor.close)
             try:
@@ -375,6 +271,21 @@ class NodeDaemon:
                 raise
             undo.callback(self.dht.shutdown)
             refuse_live_twin(self.dht, self.peer_id)  # before our own health server answers for our id
+            if cfg.coordinator_eligible:  # its config is checked here: a wrong one stops this start
+                role = role_config(cfg, cfg.bootstrap or self.dht.visible_maddrs()[:1])
+                log_path = Path(cfg.key_file).expanduser().with_name(f"coordinator-{self.peer_id[-8:]}.log")
+                self.coordinator_role = CoordinatorChild(role, log_path)
+            self.prober = LinkProber(
+                identity,
+                self.dht,
+                self.shaper,
+                every_s=cfg.probe_every_s,
+                peers=cfg.probe_peers,
+                nbytes=cfg.probe_bytes,
+                busy=lambda: self.metrics.state in ("assigned", "training"),
+                measured=self._advert_wake.set,
+                stop=self.stop_event,
+            )
             self.source = AssignmentSource(self.peer_id, self.dht, self.store, self.trust, self.refusals)
             log.info("node trains on %s", describe(self.device))  # past the checks that refuse a start
             try:
@@ -391,7 +302,6 @@ class NodeDaemon:
             self.ref_block, self.ref_block_s = measure_reference_block(self.device, self.default_precision)
             self.store_mbps = measure_store_mbps(self.store)
             self._advert_thread = threading.Thread(target=self._advert_loop, name="advert", daemon=True)
-            self._probe_thread = threading.Thread(target=self._probe_loop, name="link-probe", daemon=True)
             try:  # advertised before "ready": a second process with this peer id started now finds it
                 self.dht.publish(keys.NODES_KEY, self.advert(), cfg.advert_ttl_s)
             except Exception as e:  # the advert loop retries
@@ -453,8 +363,8 @@ class NodeDaemon:
             health_port=self.health.port,
             store_mbps=round(self.store_mbps, 1),
             coordinator_eligible=self.cfg.coordinator_eligible,
-            peer_mbps={p: round(m.mbps, 1) for p, m in self._advertised_links()},
-            peer_rtt_ms={p: round(m.rtt_ms, 2) for p, m in self._advertised_links()},
+            peer_mbps={p: round(m.mbps, 1) for p, m in self.prober.advertised()},
+            peer_rtt_ms={p: round(m.rtt_ms, 2) for p, m in self.prober.advertised()},
             free_memory_gb=round(self._free_bytes() / GB, 2),
             state=m.state,  # type: ignore[arg-type]
             error=m.error[:ADVERT_ERROR_CHARS] if m.state == "failed" else "",
@@ -471,41 +381,6 @@ class NodeDaemon:
             bytes_store=m.bytes_store_up + m.bytes_store_down,
             timestamp=dht_time(),
         )
-
-    def _advertised_links(self) -> list[tuple[str, LinkMeasure]]:
-        newest = sorted(self.links.items(), key=lambda kv: -kv[1].at)
-        return newest[:ADVERTISED_PEERS]
-
-    def _probe_loop(self) -> None:
-        """Measure bandwidth and RTT to a few peers at a time while not training (probes would steal the
-        pipeline's bandwidth), the least recently measured first; results go into the advert."""
-        while not self.stop_event.wait(1.0 if not self.links else self.cfg.probe_every_s):
-            if self.metrics.state in ("assigned", "training") or not self.cfg.probe_peers:
-                continue
-            try:
-                nodes = self.dht.get_all(keys.NODES_KEY, NodeAdvert)
-            except Exception as e:
-                log.debug("no node list to probe from: %s", e)
-                continue
-            others = [
-                s.body
-                for s in nodes.values()
-                if s.body.peer_id != self.peer_id and s.body.peer_id == s.signer_id
-            ]
-            others.sort(key=lambda a: self.links[a.peer_id].at if a.peer_id in self.links else -1.0)
-            for a in others[: self.cfg.probe_peers]:
-                try:
-                    self.links[a.peer_id] = probe_peer(
-                        self.identity,
-                        a.peer_id,
-                        a.host,
-                        a.port,
-                        nbytes=self.cfg.probe_bytes,
-                        shaper=self.shaper,
-                    )
-                except (ProbeError, ValueError) as e:
-                    log.info("%s", e)
-            self._advert_wake.set()
 
     def _advert_loop(self) -> None:
         while not self.stop_event.is_set():
@@ -536,7 +411,7 @@ class NodeDaemon:
             else {"pid": self.coordinator_role.pid, "restarts": self.coordinator_role.restarts},
             "links": {
                 p: {"mbps": round(m.mbps, 1), "rtt_ms": round(m.rtt_ms, 2)}
-                for p, m in self._advertised_links()
+                for p, m in self.prober.advertised()
             },
             "assignment": None
             if a is None
@@ -557,18 +432,8 @@ class NodeDaemon:
         only); None to carry on as before."""
         mine = self.source.found()
         cur = self.assignment
-        for x in mine:  # e.g. what a deposed coordinator still signs at its lower term: said once each
-            if cur is not None and x.run_id == cur.run_id and (x.term, x.epoch) < (cur.term, cur.epoch):
-                if (x.term, x.epoch, x.issued_at) not in self._stale_logged:
-                    self._stale_logged.add((x.term, x.epoch, x.issued_at))
-                    log.info(
-                        "ignoring stale assignment of run %s term %d epoch %d (holding term %d epoch %d)",
-                        x.run_id,
-                        x.term,
-                        x.epoch,
-                        cur.term,
-                        cur.epoch,
-                    )
+        if cur is not None:
+            self.source.say_older(mine, cur)
         for a in self.source.newest(mine):  # the most recently issued current one
             if cur is not None and a.run_id == cur.run_id and (a.term, a.epoch) <= (cur.term, cur.epoch):
                 return None
@@ -697,33 +562,11 @@ class NodeDaemon:
             log.warning("worker did not stop within %.0f s", timeout_s)
 
     # --- main loop --------------------------------------------------------------------------------
-    def _start_coordinator_role(self) -> None:
-        """The coordinator role as a supervised child (node/coordinator_child.py)."""
-        cfg, store = self.cfg, self.cfg.store
-        assert store is not None
-        bootstrap = cfg.bootstrap or self.dht.visible_maddrs()[:1]
-        args = [a for b in bootstrap for a in ("--bootstrap", b)]
-        args += ["--host", cfg.host, "--store-endpoint", store.endpoint_url, "--store-bucket", store.bucket]
-        args += [
-            "--key-file",
-            str(Path(cfg.key_file).expanduser()),
-            "--certificate",
-            cfg.coordinator_certificate,
-        ]
-        args += ["--operator-key", cfg.operator_key, "--lease-s", str(cfg.coordinator_lease_s)]
-        args += ["--churn-grace-s", str(cfg.coordinator_churn_grace_s)]
-        env = {}  # credentials by environment, not on a command line that `ps` shows
-        if store.access_key:
-            env = {"AWS_ACCESS_KEY_ID": store.access_key, "AWS_SECRET_ACCESS_KEY": store.secret_key}
-        log_path = Path(cfg.key_file).expanduser().with_name(f"coordinator-{self.peer_id[-8:]}.log")
-        self.coordinator_role = CoordinatorChild(args, log_path, env)
-        self.coordinator_role.start()
-
     def serve(self) -> None:
-        if self.cfg.coordinator_eligible:
-            self._start_coordinator_role()
+        if self.coordinator_role is not None:  # the coordinator role, as a supervised child
+            self.coordinator_role.start()
         self._advert_thread.start()
-        self._probe_thread.start()
+        self.prober.start()
         last_run_check = 0.0
         while not self.stop_event.is_set():
             try:

@@ -85,6 +85,102 @@ class NodeMetrics:
         return out
 
 
+_RUN_LABELS = ("run", "replica", "stage")
+"""The labels of every figure of an assignment (`Labels`)."""
+
+
+def _host_families(status: dict) -> Iterable[Metric]:
+    """What the node measured of its host: device, peak FLOP/s, free memory, store and peer links."""
+    yield gauge(
+        "crucible_node_info",
+        "this node: peer id, device, state (value 1)",
+        1,
+        {"peer": status["peer_id"], "device": status["device"], "state": status["state"]},
+    )
+    tflops = GaugeMetricFamily(
+        "crucible_node_peak_flops", "measured dense matmul FLOP/s by dtype", labels=["dtype"]
+    )
+    tflops.add_metric(["fp32"], status["tflops_fp32"] * 1e12)
+    tflops.add_metric(["bf16"], status["tflops_bf16"] * 1e12)
+    yield tflops
+    yield gauge(
+        "crucible_node_free_memory_bytes", "accelerator memory free now", status["free_memory_gb"] * 1e9
+    )
+    yield gauge(
+        "crucible_store_upload_bandwidth_bytes_per_second",
+        "measured upload bandwidth to the object store",
+        status["store_mbps"] * 1e6 / 8,
+    )
+    bw = GaugeMetricFamily(
+        "crucible_peer_bandwidth_bytes_per_second",
+        "measured bandwidth to a peer (probe)",
+        labels=["peer"],
+    )
+    rtt = GaugeMetricFamily(
+        "crucible_peer_rtt_seconds", "measured round-trip time to a peer", labels=["peer"]
+    )
+    for peer, link in sorted(status["links"].items()):
+        bw.add_metric([peer], link["mbps"] * 1e6 / 8)
+        rtt.add_metric([peer], link["rtt_ms"] / 1e3)
+    yield bw
+    yield rtt
+
+
+def _assignment_families(live: WorkerMetrics) -> Iterable[Metric]:
+    """The gauges of the live assignment (families without samples when the node has none)."""
+    step = GaugeMetricFamily(
+        "crucible_step", "inner steps done in the current assignment", labels=_RUN_LABELS
+    )
+    total = GaugeMetricFamily("crucible_total_steps", "inner steps the run trains for", labels=_RUN_LABELS)
+    loss = GaugeMetricFamily(
+        "crucible_train_loss_bits_per_token",
+        "last training loss of a replica's last stage, bits per token",
+        labels=_RUN_LABELS,
+    )
+    bpb = GaugeMetricFamily(
+        "crucible_validation_loss_bits_per_byte",
+        "last validation loss, bits per byte of text",
+        labels=_RUN_LABELS,
+    )
+    tps = GaugeMetricFamily(
+        "crucible_tokens_per_second", "training throughput of this stage", labels=_RUN_LABELS
+    )
+    if live.run_id:
+        lv = list(_labels(live))
+        step.add_metric(lv, live.step)
+        total.add_metric(lv, live.total_steps)
+        if live.train_loss_bits_per_token is not None:
+            loss.add_metric(lv, live.train_loss_bits_per_token)
+        if live.validation_loss_bits_per_byte is not None:
+            bpb.add_metric(lv, live.validation_loss_bits_per_byte)
+        tps.add_metric(lv, live.tokens_per_s)
+    yield from (step, total, loss, bpb, tps)
+
+
+def _counter_families(totals: dict[Labels, _Totals]) -> Iterable[Metric]:
+    """The counters over the node's life (`NodeMetrics.totals`), by (run, replica, stage)."""
+    for fieldname, (name, doc) in _COUNTERS.items():
+        fam = CounterMetricFamily(name, doc, labels=_RUN_LABELS)
+        for lv3, t in sorted(totals.items()):
+            fam.add_metric(list(lv3), t.counters[fieldname])
+        yield fam
+    frags = CounterMetricFamily(
+        "crucible_fragments", "peer fragments by outcome", labels=[*_RUN_LABELS, "outcome"]
+    )
+    link = CounterMetricFamily(
+        "crucible_link_bytes",
+        "pipeline bytes by neighbour and direction",
+        labels=[*_RUN_LABELS, "peer", "direction"],
+    )
+    for lv3, t in sorted(totals.items()):
+        for fieldname, outcome in _FRAGMENT_OUTCOMES.items():
+            frags.add_metric([*lv3, outcome], t.counters[fieldname])
+        for (peer, direction), n in sorted(t.link_bytes.items()):
+            link.add_metric([*lv3, peer, direction], n)
+    yield frags
+    yield link
+
+
 def node_families(
     status: dict,
     live: WorkerMetrics,
@@ -97,90 +193,9 @@ def node_families(
     """The families of one scrape (status: the node's /status dict)."""
 
     def families() -> Iterable[Metric]:
-        yield gauge(
-            "crucible_node_info",
-            "this node: peer id, device, state (value 1)",
-            1,
-            {"peer": status["peer_id"], "device": status["device"], "state": status["state"]},
-        )
-        tflops = GaugeMetricFamily(
-            "crucible_node_peak_flops", "measured dense matmul FLOP/s by dtype", labels=["dtype"]
-        )
-        tflops.add_metric(["fp32"], status["tflops_fp32"] * 1e12)
-        tflops.add_metric(["bf16"], status["tflops_bf16"] * 1e12)
-        yield tflops
-        yield gauge(
-            "crucible_node_free_memory_bytes", "accelerator memory free now", status["free_memory_gb"] * 1e9
-        )
-        yield gauge(
-            "crucible_store_upload_bandwidth_bytes_per_second",
-            "measured upload bandwidth to the object store",
-            status["store_mbps"] * 1e6 / 8,
-        )
-        bw = GaugeMetricFamily(
-            "crucible_peer_bandwidth_bytes_per_second",
-            "measured bandwidth to a peer (probe)",
-            labels=["peer"],
-        )
-        rtt = GaugeMetricFamily(
-            "crucible_peer_rtt_seconds", "measured round-trip time to a peer", labels=["peer"]
-        )
-        for peer, link in sorted(status["links"].items()):
-            bw.add_metric([peer], link["mbps"] * 1e6 / 8)
-            rtt.add_metric([peer], link["rtt_ms"] / 1e3)
-        yield bw
-        yield rtt
-
-        run_labels = ["run", "replica", "stage"]
-        step = GaugeMetricFamily(
-            "crucible_step", "inner steps done in the current assignment", labels=run_labels
-        )
-        total = GaugeMetricFamily("crucible_total_steps", "inner steps the run trains for", labels=run_labels)
-        loss = GaugeMetricFamily(
-            "crucible_train_loss_bits_per_token",
-            "last training loss of a replica's last stage, bits per token",
-            labels=run_labels,
-        )
-        bpb = GaugeMetricFamily(
-            "crucible_validation_loss_bits_per_byte",
-            "last validation loss, bits per byte of text",
-            labels=run_labels,
-        )
-        tps = GaugeMetricFamily(
-            "crucible_tokens_per_second", "training throughput of this stage", labels=run_labels
-        )
-        if live.run_id:
-            lv = list(_labels(live))
-            step.add_metric(lv, live.step)
-            total.add_metric(lv, live.total_steps)
-            if live.train_loss_bits_per_token is not None:
-                loss.add_metric(lv, live.train_loss_bits_per_token)
-            if live.validation_loss_bits_per_byte is not None:
-                bpb.add_metric(lv, live.validation_loss_bits_per_byte)
-            tps.add_metric(lv, live.tokens_per_s)
-        yield from (step, total, loss, bpb, tps)
-
-        totals = node_metrics.totals(live)
-        for fieldname, (name, doc) in _COUNTERS.items():
-            fam = CounterMetricFamily(name, doc, labels=run_labels)
-            for lv3, t in sorted(totals.items()):
-                fam.add_metric(list(lv3), t.counters[fieldname])
-            yield fam
-        frags = CounterMetricFamily(
-            "crucible_fragments", "peer fragments by outcome", labels=[*run_labels, "outcome"]
-        )
-        link = CounterMetricFamily(
-            "crucible_link_bytes",
-            "pipeline bytes by neighbour and direction",
-            labels=[*run_labels, "peer", "direction"],
-        )
-        for lv3, t in sorted(totals.items()):
-            for fieldname, outcome in _FRAGMENT_OUTCOMES.items():
-                frags.add_metric([*lv3, outcome], t.counters[fieldname])
-            for (peer, direction), n in sorted(t.link_bytes.items()):
-                link.add_metric([*lv3, peer, direction], n)
-        yield frags
-        yield link
+        yield from _host_families(status)
+        yield from _assignment_families(live)
+        yield from _counter_families(node_metrics.totals(live))
         yield from store_families(store)  # type: ignore[arg-type]
         yield rejected_family(rejected)
         yield from http_families(http)  # type: ignore[arg-type]

@@ -10,6 +10,7 @@ import psutil
 import torch
 
 from node.device import synchronize
+from protocol import keys
 from protocol.net.store import ObjectStore, StoreError
 
 
@@ -50,7 +51,7 @@ def measure_tflops(device: torch.device, dtype: torch.dtype, n: int = 512, secon
 
 def measure_store_mbps(store: ObjectStore, nbytes: int = 1 << 20) -> float:
     """Upload bandwidth to the store (Mbit/s) from one PUT of `nbytes`; 0 if the store is unreachable."""
-    key = f"_probe/{uuid.uuid4().hex}"
+    key = keys.bandwidth_probe_key(uuid.uuid4().hex)
     data = os.urandom(nbytes)
     try:
         start = time.perf_counter()

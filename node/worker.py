@@ -16,7 +16,7 @@ from dataclasses import asdict, dataclass, field
 
 import torch
 
-from node.data.corpus import DataSource
+from node.data.corpus import Corpus, DataSource
 from node.device import describe, resolve_precision
 from node.inner_step import (
     inner_step,
@@ -25,9 +25,9 @@ from node.inner_step import (
     optimizer_tensors,
     prepare_stage,
 )
-from node.model import build_stage
+from node.model import Stage, build_stage
 from node.pipeline.acceptor import Acceptor
-from node.pipeline.schedule import PipelineStage
+from node.pipeline.schedule import PipelineStage, StepStats
 from node.pipeline.transport import Link, Shaper, connect
 from node.subspace_model import boundary_codecs, confinement, constrain_stage, project_weights_
 from node.sync.outer_sync import LocalState, OuterSync
@@ -104,6 +104,31 @@ def weights_digest(module: torch.nn.Module) -> str:
         h.update(name.encode())
         h.update(p.detach().float().cpu().contiguous().numpy().tobytes())
     return h.hexdigest()
+
+
+@dataclass
+class _Setup:
+    """What `StageWorker._build` sets up for the loop."""
+
+    module: Stage
+    opt: torch.optim.Optimizer
+    sync: OuterSync
+    pipe: PipelineStage
+    corpus: Corpus | None
+    """The first stage's corpus (None elsewhere)."""
+    val: list[torch.Tensor] | None
+    """The first stage's validation batches (None elsewhere)."""
+    start: int
+    """The inner step this replica starts from."""
+
+
+@dataclass
+class _Clock:
+    """The window of the tokens-per-second figure (about 2 s) and the time of the last progress line."""
+
+    window_t: float
+    last_log: float
+    window_steps: int = 0
 
 
 class StageWorker:
@@ -224,6 +249,28 @@ class StageWorker:
     # --- the loop ---------------------------------------------------------------------------------
     def run(self) -> str:
         """Train to the end (returns "done") or until should_stop() says why (returns that reason)."""
+        a, m = self.a, self.m
+        st = self._build()
+        result = "done"
+        try:
+            result = self._train(st)
+            st.sync.finish()
+            self._update_io(st.sync)
+            if result == "done":
+                self._evaluate(st.pipe, m.step, st.val)
+                m.weights_sha256 = weights_digest(st.module)
+                self._report()
+        finally:
+            self._close_links()
+            st.sync.close()  # a checkpoint upload in flight finishes
+        m.state = "done" if result == "done" else "idle"
+        log.info("run %s r%d/s%d ended at step %d: %s", a.run_id, a.replica, a.stage, m.step, result)
+        return result
+
+    def _build(self) -> _Setup:
+        """The stage, its data, optimizer, round owner and pipeline, resumed from a checkpoint where the
+        replica resumes. If any of it fails the links are closed: the neighbours then fail at once with a
+        closed link, not at a timeout."""
         a, spec, m = self.a, self.spec, self.m
         torch.manual_seed(spec.model.init_seed)
         ranges = spec.layer_ranges()
@@ -256,39 +303,8 @@ class StageWorker:
                 if corpus
                 else None
             )
-            params = [p for p in module.parameters()]
             opt = make_optimizer(module, spec.train)
-            parts = make_sync_parts(spec, self.identity)
-            local = LocalState(
-                names=[n for n, _ in module.named_parameters()],
-                tensors=lambda: {
-                    **{f"model.{k}": v for k, v in module.state_dict().items()},
-                    **optimizer_tensors(module, opt),
-                },
-                load=lambda tensors: load_optimizer_tensors(module, opt, tensors),
-                after_apply=lambda: project_weights_(module),  # a sparse, quantized update leaves span(U)
-            )
-            sync = OuterSync(
-                params,
-                store=self.store,
-                codec=parts.codec,
-                aggregate=parts.aggregate,
-                run_id=a.run_id,
-                stage=a.stage,
-                replica=a.replica,
-                stage_peers={int(r): p for r, p in a.stage_peers.items()},
-                former_stage_peers={int(r): set(p) for r, p in a.former_stage_peers.items()},
-                H=spec.sync.H,
-                P=spec.sync.P,
-                tau=spec.sync.tau,
-                alpha=spec.sync.alpha,
-                momentum=parts.momentum,
-                timeout_s=spec.sync.timeout_s,
-                local=local,
-                checkpoints=self.checkpoints,
-                checkpoint_every=spec.sync.checkpoint_every,
-                confine=confinement(module),  # the anchor stays in span(U), identically on every replica
-            )
+            sync = self._outer_sync(module, opt)
             self.sync = sync
             if ck is not None:
                 sync.restore(ck)
@@ -306,73 +322,103 @@ class StageWorker:
                 device=self.device,
             )
         except BaseException:
-            self._close_links()  # the neighbours then fail at once with a closed link, not at a timeout
-            raise
-        tokens_per_step = spec.train.batch_size * spec.model.seq_len
-        result = "done"
-        try:
-            self._evaluate(pipe, start, val)
-            window_t, window_steps = time.perf_counter(), 0
-            last_log = window_t
-            for step in range(start, spec.train.total_steps):
-                reason = self.should_stop()
-                if reason:
-                    result = reason
-                    break
-                batch = (
-                    corpus.train_batch(
-                        spec.train.data_seed, a.replica, step, spec.train.batch_size, spec.model.seq_len
-                    )
-                    if corpus
-                    else None
-                )
-                stats = inner_step(
-                    module,
-                    opt,
-                    spec.train,
-                    step,
-                    lambda: pipe.train_step(step, batch, spec.train.microbatches),  # noqa: B023
-                )
-                outcome = sync.step_done(step + 1)  # the round owner: outer sync, round end, checkpoint
-                m.step, m.compute_s, m.pipe_wait_s = (
-                    step + 1,
-                    m.compute_s + stats.compute_s,
-                    m.pipe_wait_s + stats.wait_s,
-                )
-                m.tokens += tokens_per_step
-                if stats.loss is not None:  # nats per token
-                    m.train_loss_bits_per_token = stats.loss / LN2
-                window_steps += 1
-                now = time.perf_counter()
-                if now - window_t > 2.0:
-                    m.tokens_per_s = window_steps * tokens_per_step / (now - window_t)
-                    window_t, window_steps = now, 0
-                if now - last_log > 10.0:
-                    last_log = now
-                    self._log_progress()
-                self._update_io(sync)
-                rnd = outcome.round_ended
-                if rnd is not None:
-                    m.rounds = rnd
-                    if spec.eval_every and rnd % spec.eval_every == 0 and step + 1 < spec.train.total_steps:
-                        self._evaluate(pipe, step + 1, val)
-                if outcome.checkpointed is not None:
-                    m.anchor_round, m.anchor_sha256 = outcome.checkpointed, sync.anchor_digest()
-                    m.anchor_history = [*m.anchor_history, (m.anchor_round, m.anchor_sha256)][
-                        -ANCHOR_HISTORY:
-                    ]
-            sync.finish()
-            self._update_io(sync)
-            if result == "done":
-                self._evaluate(pipe, m.step, val)
-                m.weights_sha256 = weights_digest(module)
-                self._report()
-        finally:
             self._close_links()
-            sync.close()  # a checkpoint upload in flight finishes
-        m.state = "done" if result == "done" else "idle"
-        log.info("run %s r%d/s%d ended at step %d: %s", a.run_id, a.replica, a.stage, m.step, result)
-        return result
+            raise
+        return _Setup(module=module, opt=opt, sync=sync, pipe=pipe, corpus=corpus, val=val, start=start)
+
+    def _outer_sync(self, module: Stage, opt: torch.optim.Optimizer) -> OuterSync:
+        """The stage's round owner, with the codec, aggregation and schedule the run's [sync] selects."""
+        a, spec = self.a, self.spec
+        parts = make_sync_parts(spec, self.identity)
+        local = LocalState(
+            names=[n for n, _ in module.named_parameters()],
+            tensors=lambda: {
+                **{f"model.{k}": v for k, v in module.state_dict().items()},
+                **optimizer_tensors(module, opt),
+            },
+            load=lambda tensors: load_optimizer_tensors(module, opt, tensors),
+            after_apply=lambda: project_weights_(module),  # a sparse, quantized update leaves span(U)
+        )
+        return OuterSync(
+            list(module.parameters()),
+            store=self.store,
+            codec=parts.codec,
+            aggregate=parts.aggregate,
+            run_id=a.run_id,
+            stage=a.stage,
+            replica=a.replica,
+            stage_peers={int(r): p for r, p in a.stage_peers.items()},
+            former_stage_peers={int(r): set(p) for r, p in a.former_stage_peers.items()},
+            schedule=spec.sync.schedule(),
+            alpha=spec.sync.alpha,
+            momentum=parts.momentum,
+            timeout_s=spec.sync.timeout_s,
+            local=local,
+            checkpoints=self.checkpoints,
+            checkpoint_every=spec.sync.checkpoint_every,
+            confine=confinement(module),  # the anchor stays in span(U), identically on every replica
+        )
+
+    def _train(self, st: _Setup) -> str:
+        """Inner steps from st.start to the run's last, each followed by the round owner's step_done;
+        returns "done", or should_stop()'s reason."""
+        a, spec = self.a, self.spec
+        self._evaluate(st.pipe, st.start, st.val)
+        now = time.perf_counter()
+        clock = _Clock(window_t=now, last_log=now)
+        for step in range(st.start, spec.train.total_steps):
+            reason = self.should_stop()
+            if reason:
+                return reason
+            batch = (
+                st.corpus.train_batch(
+                    spec.train.data_seed, a.replica, step, spec.train.batch_size, spec.model.seq_len
+                )
+                if st.corpus
+                else None
+            )
+            stats = inner_step(
+                st.module,
+                st.opt,
+                spec.train,
+                step,
+                lambda: st.pipe.train_step(step, batch, spec.train.microbatches),  # noqa: B023
+            )
+            outcome = st.sync.step_done(step + 1)  # the round owner: outer sync, round end, checkpoint
+            self._count_step(step + 1, stats, clock)
+            self._update_io(st.sync)
+            rnd = outcome.round_ended
+            if rnd is not None:
+                self.m.rounds = rnd
+                if spec.eval_every and rnd % spec.eval_every == 0 and step + 1 < spec.train.total_steps:
+                    self._evaluate(st.pipe, step + 1, st.val)
+            if outcome.checkpointed is not None:
+                self._record_anchor(outcome.checkpointed, st.sync)
+        return "done"
+
+    # --- metrics ------------------------------------------------------------------------------------
+    def _count_step(self, done: int, stats: StepStats, clock: _Clock) -> None:
+        """Progress after `done` inner steps: time, tokens, loss, tokens per second; a log line every 10 s."""
+        m = self.m
+        tokens_per_step = self.spec.train.batch_size * self.spec.model.seq_len
+        m.step, m.compute_s, m.pipe_wait_s = done, m.compute_s + stats.compute_s, m.pipe_wait_s + stats.wait_s
+        m.tokens += tokens_per_step
+        if stats.loss is not None:  # nats per token
+            m.train_loss_bits_per_token = stats.loss / LN2
+        clock.window_steps += 1
+        now = time.perf_counter()
+        if now - clock.window_t > 2.0:
+            m.tokens_per_s = clock.window_steps * tokens_per_step / (now - clock.window_t)
+            clock.window_t, clock.window_steps = now, 0
+        if now - clock.last_log > 10.0:
+            clock.last_log = now
+            self._log_progress()
+
+    def _record_anchor(self, rnd: int, sync: OuterSync) -> None:
+        """Round `rnd` was checkpointed: its anchor's digest, and the last ANCHOR_HISTORY of them."""
+        m = self.m
+        m.anchor_round, m.anchor_sha256 = rnd, sync.anchor_digest()
+        m.anchor_history = [*m.anchor_history, (m.anchor_round, m.anchor_sha256)][-ANCHOR_HISTORY:]
 
     def _log_progress(self) -> None:
         m = self.m

@@ -22,9 +22,18 @@ def assignment_key(peer_id: str) -> str:
 
 
 # --- object store --------------------------------------------------------------------------------
+PROBE_PREFIX = "_probe/"
+"""The throwaway objects nodes write to test the store, outside every run's prefix."""
+
+
 def preflight_key(peer_id: str) -> str:
     """The small object a node puts and deletes at start to prove the store takes its writes."""
-    return f"_probe/preflight/{peer_id}"
+    return f"{PROBE_PREFIX}preflight/{peer_id}"
+
+
+def bandwidth_probe_key(token: str) -> str:
+    """The object a node uploads and deletes to measure its store bandwidth (`token`: random, per probe)."""
+    return f"{PROBE_PREFIX}{token}"
 
 
 def spec_key(run: str) -> str:

@@ -6,7 +6,6 @@ the coordinator and published at `{run}/spec` in the store and in the DHT.
 
 from __future__ import annotations
 
-import math
 import re
 import tomllib
 from dataclasses import dataclass, field, fields
@@ -15,6 +14,7 @@ from typing import Any, Literal
 
 from protocol.corpus import ManifestError, check_sha256, is_store_url, parse_store_url
 from protocol.schema import SchemaError, check_finite, check_range, describe, from_dict
+from protocol.sync_settings import AggregationSettings, CodecSettings, Schedule, check_schedule
 
 RUN_ID_PATTERN = re.compile(r"[a-z0-9][a-z0-9-]{0,62}")
 """What a run id may be (matched whole with `fullmatch`: no trailing newline): a store prefix and DHT name."""
@@ -169,8 +169,8 @@ class TrainSpec:
 
 
 @dataclass(kw_only=True, frozen=True)
-class SyncSpec:
-    """Cross-replica synchronisation through the object store (DESIGN section 3)."""
+class OuterLoopSettings:
+    """The outer loop's own part of [sync]: the method, its schedule, its step, checkpoints and deadline."""
 
     method: Literal["diloco", "sparseloco"] = "sparseloco"
     """Outer method: dense DiLoCo or SparseLoCo (compressed, error feedback)."""
@@ -191,42 +191,6 @@ class SyncSpec:
     optimizer, outer momentum, error feedback, data position); 0 = never."""
     timeout_s: float = 60.0
     """How long a stage waits for the other replicas' fragments before aggregating what arrived."""
-    k: int = 64
-    """SparseLoCo: coordinates kept (top-k by magnitude) per chunk; 64 of 4096 = 1.56% density."""
-    chunk: int = 4096
-    """SparseLoCo: coordinates per chunk, a perfect square (2-D weights are cut into 64 x 64 tiles)."""
-    beta: float = 0.95
-    """SparseLoCo: error-feedback decay, e = beta * e + Delta before each compression. 0.95 is the paper's
-    (thousands of rounds); runs of tens to hundreds of rounds train better with 0.6-0.8 (the local swarm
-    and docs/examples/run.toml use 0.7; docs/benchmarks.md)."""
-    aggregation: Literal["mean", "per_coordinate"] = "per_coordinate"
-    """How arrived contributions are averaged: "mean" over arrivals (the paper) or "per_coordinate",
-    each coordinate divided by the number of replicas that sent it (Templar; see docs/benchmarks.md)."""
-    robust: Literal["none", "clip_median", "trimmed"] = "trimmed"
-    """Bound on one replica's influence on Delta_bar (DESIGN section 10; node/sync/aggregation.py):
-    "trimmed" = clamp each value to max_abs_ratio x the round's median peak, clip each contribution's
-    norm to max_norm_ratio x the round's median norm, leave out contributions that point away from the
-    others (min_agreement), then a coordinate-wise trimmed mean (the median of 3 senders, the middle two
-    of 4): resists values x100 or near float max and sign flips; "clip_median" = the clamp and clip,
-    then `aggregation`'s mean (magnitude attacks only); "none" = no bound (only NaN/inf and the absolute
-    max_abs/max_norm are rejected). See docs/benchmarks.md, "Robust aggregation under attack"."""
-    max_norm_ratio: float = 1.0
-    """robust != "none": scale a contribution whose L2 norm exceeds this multiple of the round's (lower)
-    median norm down to it; in [1, 1e6] (1 = the median itself)."""
-    max_abs_ratio: float = 4.0
-    """robust != "none": clamp each decoded value of a tensor to +-(this multiple of the round's lower
-    median, over contributions, of that tensor's largest |value|); in [1, 1e6]."""
-    min_agreement: float = 0.0
-    """robust = "trimmed": leave out a contribution whose cosine with the sum of the other contributions
-    is below this (lowest first, then recomputed over the rest); a sign-flipped update scores below 0,
-    honest ones 0.05 to 0.40 in docs/benchmarks.md; in [-1, 1] (-1 = never)."""
-    trim: float = 0.25
-    """robust = "trimmed": fraction of the values sent at a coordinate dropped at each end (at least one
-    where >= 3 replicas sent it, never so many that none is left); in [0, 0.5)."""
-    max_abs: float = 0.0
-    """Reject outright a contribution holding a decoded |value| above this (0 = no absolute bound)."""
-    max_norm: float = 0.0
-    """Reject outright a contribution whose L2 norm exceeds this (0 = no absolute bound)."""
 
     def __post_init__(self) -> None:
         check_finite(self)
@@ -234,43 +198,35 @@ class SyncSpec:
         check_range("sync.timeout_s", self.timeout_s, 0, 1e6)
         if self.method not in ("diloco", "sparseloco"):
             raise ValueError(f"sync.method={describe(self.method)} must be 'diloco' or 'sparseloco'")
-        if self.H <= 0 or self.P <= 0 or self.P > self.H:
-            raise ValueError(f"sync.H={self.H} and sync.P={self.P} must satisfy 0 < P <= H")
-        if not 0 <= self.tau < self.H // self.P:
-            raise ValueError(
-                f"sync.tau={self.tau} must satisfy 0 <= tau < H/P={self.H // self.P} (H={self.H}, "
-                f"P={self.P}): a cycle's fragments must all be applied before the next cycle's first capture"
-            )
+        check_schedule(self.H, self.P, self.tau, checkpointed=True)
         check_range("sync.checkpoint_every", self.checkpoint_every, 0, MAX_STEPS)
         if not 0 < self.alpha <= 1e3:
             raise ValueError(f"sync.alpha={describe(self.alpha)} must be positive and at most 1000")
         if not 0 <= self.outer_momentum < 1:
             raise ValueError(f"sync.outer_momentum={describe(self.outer_momentum)} must be in [0, 1)")
-        t = math.isqrt(max(self.chunk, 0))
-        if not 1 <= self.chunk <= 65536 or t * t != self.chunk:
-            raise ValueError(
-                f"sync.chunk={self.chunk} must be a perfect square in [1, 65536] (example: 4096 = 64 x 64)"
-            )
-        if not 1 <= self.k <= self.chunk:
-            raise ValueError(f"sync.k={self.k} must be in [1, chunk={self.chunk}]")
-        if not 0 <= self.beta <= 1:
-            raise ValueError(f"sync.beta={describe(self.beta)} must be in [0, 1]")
-        if self.aggregation not in ("mean", "per_coordinate"):
-            raise ValueError(
-                f"sync.aggregation={describe(self.aggregation)} must be 'mean' or 'per_coordinate'"
-            )
-        if self.robust not in ("none", "clip_median", "trimmed"):
-            raise ValueError(
-                f"sync.robust={describe(self.robust)} must be 'trimmed' (the default), 'clip_median' "
-                "or 'none'"
-            )
-        check_range("sync.max_norm_ratio", self.max_norm_ratio, 1, 1e6)
-        check_range("sync.max_abs_ratio", self.max_abs_ratio, 1, 1e6)
-        check_range("sync.min_agreement", self.min_agreement, -1, 1)
-        if not 0 <= self.trim < 0.5:
-            raise ValueError(f"sync.trim={describe(self.trim)} must be in [0, 0.5) (example: 0.25)")
-        check_range("sync.max_abs", self.max_abs, 0, 3e38)
-        check_range("sync.max_norm", self.max_norm, 0, 3e38)
+
+    def schedule(self) -> Schedule:
+        """The fragment schedule the outer loop runs (and the round arithmetic of a step)."""
+        return Schedule(H=self.H, P=self.P, tau=self.tau)
+
+
+@dataclass(kw_only=True, frozen=True)
+class SyncSpec(AggregationSettings, CodecSettings, OuterLoopSettings):
+    """Cross-replica synchronisation through the object store (DESIGN section 3): one flat [sync] section
+    of the outer loop's, the codec's and the aggregation's settings, each declared by its own type.
+
+    A dataclass takes its bases' fields from the last base to the first, so the fields (the [sync] keys
+    and the signed encoding, in this order) are the outer loop's, then the codec's, then the
+    aggregation's."""
+
+    def __post_init__(self) -> None:
+        OuterLoopSettings.__post_init__(self)
+        CodecSettings.__post_init__(self)
+        AggregationSettings.__post_init__(self)
+
+    def aggregation_settings(self) -> AggregationSettings:
+        """The aggregation's settings alone (node/sync/aggregation.py takes them)."""
+        return AggregationSettings(**{f.name: getattr(self, f.name) for f in fields(AggregationSettings)})
 
 
 @dataclass(kw_only=True, frozen=True)
@@ -461,6 +417,7 @@ def load_run_spec(path: str | Path, **overrides: Any) -> RunSpec:
 __all__ = [
     "RUN_ID_PATTERN",
     "ModelSpec",
+    "OuterLoopSettings",
     "PipelineSpec",
     "RunSpec",
     "SyncSpec",

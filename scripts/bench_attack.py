@@ -36,10 +36,10 @@ import torch
 from node.data.corpus import Corpus
 from node.sync.sparseloco_sync import make_sync_parts
 from protocol.identity import Identity
-from protocol.net.store import ObjectStore, StoreConfig
 from protocol.runspec import ModelSpec, SyncSpec, TrainSpec
 from scripts.bench_quality import ATTACKS, Attack, Result, Setup, arm_spec, parse_rounds, run_outer
 from scripts.bench_subspace_quality import bench_model
+from scripts.embedded_store import embedded_store
 
 RULES = ("trimmed", "clip_median", "none")
 
@@ -141,7 +141,6 @@ def main(argv: list[str] | None = None) -> int:
     logging.basicConfig(level=logging.ERROR, stream=sys.stderr, format="%(message)s")
     log = logging.getLogger("bench_attack")
     log.setLevel(logging.INFO)
-    logging.getLogger("werkzeug").setLevel(logging.ERROR)
     counter = _Counter()
     agg_log = logging.getLogger("node.sync.sparseloco_sync")
     agg_log.addHandler(counter)
@@ -159,18 +158,11 @@ def main(argv: list[str] | None = None) -> int:
         flush=True,
     )
 
-    from moto.server import ThreadedMotoServer
-
-    server = ThreadedMotoServer(ip_address="127.0.0.1", port=0, verbose=False)
-    server.start()
-    t_all = time.perf_counter()
     bpb: dict[str, dict[str, dict[str, float | None]]] = {}  # attack -> rule -> seed -> bpb
     events: dict[str, dict[str, list[int]]] = {}  # attack -> rule -> [bounded, left out] over seeds
     diverged: dict[str, dict[str, dict[str, int]]] = {}  # attack -> rule -> seed -> last finite step
-    try:
-        host, port = server.get_host_and_port()
-        store = ObjectStore(StoreConfig(endpoint_url=f"http://{host}:{port}", bucket="bench-attack"))
-        store.ensure_bucket()
+    with embedded_store("bench-attack") as store:
+        t_all = time.perf_counter()
         for seed, s in setups.items():
             for kind in ["honest", *attacks]:
                 attack = (
@@ -203,8 +195,6 @@ def main(argv: list[str] | None = None) -> int:
                         counter.bounded,
                         counter.left_out,
                     )
-    finally:
-        server.stop()
     total_s = time.perf_counter() - t_all
 
     def gap(kind: str, rule: str, seed: str) -> float | None:

@@ -52,12 +52,13 @@ from node.model import Stage, build_stage
 from node.pipeline.schedule import PipelineStage
 from node.pipeline.transport import Link, Shaper, connect, listen
 from node.subspace_model import boundary_codecs, constrain_stage
-from node.sync.aggregation import AggregationConfig, aggregate
+from node.sync.aggregation import aggregate
 from protocol.codecs.sparseloco import SparseLoCoConfig, decompress, error_feedback_step
 from protocol.codecs.sparseloco_device import decompress_to, error_feedback_step_device
 from protocol.codecs.sparseloco_format import pack_payload
 from protocol.memory import GB, stage_memory
 from protocol.runspec import ModelSpec, PipelineSpec, RunSpec, TrainSpec
+from protocol.sync_settings import AggregationSettings
 
 ROOT = Path(__file__).resolve().parents[1]
 READY = "BENCH-GPU-STAGE1-READY"
@@ -193,7 +194,7 @@ def bench_sparseloco(a: argparse.Namespace, device: torch.device, step_s_per_par
     decode_equal = all(
         torch.equal(x, y) for xs, ys in zip(on_cpu, on_dev, strict=True) for x, y in zip(xs, ys, strict=True)
     )
-    agg_cfg = AggregationConfig()
+    agg_cfg = AggregationSettings()
     agg_cpu = aggregate(dict(enumerate(on_cpu)), agg_cfg).tensors
     agg_dev = aggregate(dict(enumerate(on_dev)), agg_cfg).tensors
     aggregate_equal = all(torch.equal(x, y) for x, y in zip(agg_cpu, agg_dev, strict=True))

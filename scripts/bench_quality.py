@@ -62,9 +62,10 @@ from node.sync.sparseloco_sync import SparseLoCoCodec, make_sync_parts
 from protocol.codecs.sparseloco import CompressedFragment, SparseLoCoConfig, decompress
 from protocol.codecs.sparseloco_format import decode_fragment, encode_fragment
 from protocol.identity import Identity
-from protocol.net.store import ObjectStore, StoreConfig
+from protocol.net.store import ObjectStore
 from protocol.runspec import ModelSpec, RunSpec, SyncSpec, TrainSpec
 from scripts.bench_subspace_quality import bench_model
+from scripts.embedded_store import embedded_store
 
 ARMS = ("adamw", "diloco", "sparseloco", "stream_tau1", "stream_tau2")
 ATTACKS = ("x100", "flip", "floatmax")
@@ -243,9 +244,7 @@ def run_outer(
                 stage=0,
                 replica=r,
                 stage_peers=peers,
-                H=sync.H,
-                P=sync.P,
-                tau=sync.tau,
+                schedule=sync.schedule(),
                 alpha=sync.alpha,
                 momentum=parts.momentum,
                 timeout_s=sync.timeout_s,
@@ -550,7 +549,6 @@ def main(argv: list[str] | None = None) -> int:
     logging.basicConfig(level=logging.WARNING, stream=sys.stderr, format="%(message)s")
     log = logging.getLogger("bench_quality")
     log.setLevel(logging.INFO)
-    logging.getLogger("werkzeug").setLevel(logging.ERROR)
 
     corpus = Corpus.load("stdlib", 0.02)
     val = corpus.val_batches(args.eval_batches, args.batch, model.seq_len)
@@ -565,15 +563,8 @@ def main(argv: list[str] | None = None) -> int:
         flush=True,
     )
 
-    from moto.server import ThreadedMotoServer
-
-    server = ThreadedMotoServer(ip_address="127.0.0.1", port=0, verbose=False)
-    server.start()
-    t_all = time.perf_counter()
-    try:
-        host, port = server.get_host_and_port()
-        store = ObjectStore(StoreConfig(endpoint_url=f"http://{host}:{port}", bucket="bench-quality"))
-        store.ensure_bucket()
+    with embedded_store("bench-quality") as store:
+        t_all = time.perf_counter()
         results: list[Result] = []
         for name in arms:
             r = (
@@ -583,8 +574,6 @@ def main(argv: list[str] | None = None) -> int:
             )
             log.info("%s: val bpb %.4f (%.0f s)", name, r.val_bpb, r.train_s)
             results.append(r)
-    finally:
-        server.stop()
     total_s = time.perf_counter() - t_all
 
     by = {r.name: r for r in results}

@@ -1,4 +1,5 @@
-"""The embedded default object store: moto's S3 server on loopback (a real S3 protocol server).
+"""The embedded default object store: moto's S3 server on loopback (a real S3 protocol server), started
+only here: by crucible-swarm (this module as a child), the tests' `moto_store` fixture and the benches.
 
   python -m scripts.embedded_store [--host 127.0.0.1] [--port 0] [--bucket crucible]
 prints `STORE http://HOST:PORT` once it serves, and runs until SIGINT/SIGTERM.
@@ -14,26 +15,35 @@ import sys
 import threading
 from collections.abc import Iterator
 
-import boto3
-
 from protocol.net.store import ObjectStore, StoreConfig
 
 
 @contextlib.contextmanager
-def embedded_store(bucket: str, host: str = "127.0.0.1") -> Iterator[ObjectStore]:
-    """An S3 server (moto) on loopback for the `with` block, and a client of a fresh bucket on it."""
+def s3_server(host: str = "127.0.0.1", port: int = 0) -> Iterator[str]:
+    """moto's S3 server on `host`:`port` (0: any free port) for the `with` block; yields its endpoint URL."""
+    # werkzeug logs a line per request, into whatever stderr a test, a bench or the swarm's log captures
     logging.getLogger("werkzeug").setLevel(logging.ERROR)
     from moto.server import ThreadedMotoServer  # the `swarm` extra: imported only where a store is served
 
-    server = ThreadedMotoServer(ip_address=host, port=0, verbose=False)
+    server = ThreadedMotoServer(ip_address=host, port=port, verbose=False)
     server.start()
     try:
-        h, port = server.get_host_and_port()
-        store = ObjectStore(StoreConfig(endpoint_url=f"http://{h}:{port}", bucket=bucket))
-        store.ensure_bucket()
-        yield store
+        h, p = server.get_host_and_port()
+        yield f"http://{h}:{p}"
     finally:
         server.stop()
+
+
+@contextlib.contextmanager
+def embedded_store(bucket: str, host: str = "127.0.0.1", port: int = 0) -> Iterator[ObjectStore]:
+    """An S3 server (moto) on loopback for the `with` block, and a client of `bucket` on it (created)."""
+    with s3_server(host, port) as url:
+        # moto takes any key: the placeholder, so that a --host other than loopback needs no credentials
+        store = ObjectStore(
+            StoreConfig(endpoint_url=url, bucket=bucket, access_key="crucible", secret_key="crucible")
+        )
+        store.ensure_bucket()
+        yield store
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -48,26 +58,12 @@ def main(argv: list[str] | None = None) -> int:
     )
     ap.add_argument("--bucket", default="crucible", help="bucket to create (default: crucible)")
     args = ap.parse_args(argv)
-    logging.getLogger("werkzeug").setLevel(logging.ERROR)
-    from moto.server import ThreadedMotoServer
-
-    server = ThreadedMotoServer(ip_address=args.host, port=args.port, verbose=False)
-    server.start()
-    host, port = server.get_host_and_port()
-    url = f"http://{host}:{port}"
-    boto3.client(
-        "s3",
-        endpoint_url=url,
-        aws_access_key_id="crucible",
-        aws_secret_access_key="crucible",
-        region_name="us-east-1",
-    ).create_bucket(Bucket=args.bucket)
-    print(f"STORE {url}", flush=True)
-    stop = threading.Event()
-    for sig in (signal.SIGINT, signal.SIGTERM):
-        signal.signal(sig, lambda *_: stop.set())
-    stop.wait()
-    server.stop()
+    with embedded_store(args.bucket, args.host, args.port) as store:
+        print(f"STORE {store.cfg.endpoint_url}", flush=True)
+        stop = threading.Event()
+        for sig in (signal.SIGINT, signal.SIGTERM):
+            signal.signal(sig, lambda *_: stop.set())
+        stop.wait()
     return 0
 
 

@@ -14,7 +14,7 @@ PIP=(.venv/bin/python -m pip install --disable-pip-version-check -q -c constrain
 .venv/bin/python -m pip install --disable-pip-version-check -q --upgrade pip
 "${PIP[@]}" "torch==2.13.0"
 "${PIP[@]}" -e ".[dev,swarm]"
-# the dashboard test drives Debian's headless chromium (tests/observability.py): installed when we may
+# the dashboard test drives Debian's headless chromium (tests/helpers/observability.py): installed when we may
 if ! command -v chromium >/dev/null; then
   if [ "$(id -u)" = 0 ] && command -v apt-get >/dev/null; then
     export DEBIAN_FRONTEND=noninteractive

@@ -1,6 +1,7 @@
 from __future__ import annotations
 
 import os
+from collections.abc import Iterator
 
 import pytest
 
@@ -9,19 +10,12 @@ os.environ.setdefault("OMP_NUM_THREADS", "1")
 
 
 @pytest.fixture(scope="session")
-def moto_store():
+def moto_store() -> Iterator[str]:
     """A real S3-protocol server (moto) on loopback for the whole session; yields its endpoint URL."""
-    import logging
+    from scripts.embedded_store import s3_server
 
-    from moto.server import ThreadedMotoServer
-
-    # its per-request lines would land in whatever stderr a test captures, at any root level left behind
-    logging.getLogger("werkzeug").setLevel(logging.WARNING)
-    server = ThreadedMotoServer(ip_address="127.0.0.1", port=0, verbose=False)
-    server.start()
-    host, port = server.get_host_and_port()
-    yield f"http://{host}:{port}"
-    server.stop()
+    with s3_server() as url:
+        yield url
 
 
 @pytest.fixture(scope="module")

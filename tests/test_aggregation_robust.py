@@ -14,7 +14,6 @@ import pytest
 import torch
 
 from node.sync.aggregation import (
-    AggregationConfig,
     aggregate,
     agreement_screen,
     clamp_to_median_max_abs,
@@ -25,12 +24,13 @@ from node.sync.sparseloco_sync import make_sync_parts
 from protocol.codecs.sparseloco import SparseLoCoConfig, compress, decompress
 from protocol.identity import Identity
 from protocol.runspec import RunSpec, SyncSpec, load_run_spec
+from protocol.sync_settings import AggregationSettings
 
 pytestmark = pytest.mark.timeout(60)
 
 CFG = SparseLoCoConfig(chunk=256, k=16)
 ATTACKS = ("x100", "flip", "floatmax")
-NONE = AggregationConfig(robust="none")
+NONE = AggregationSettings(robust="none")
 
 
 def honest(R: int = 4, seed: int = 0) -> dict[int, list[torch.Tensor]]:
@@ -91,13 +91,13 @@ def test_the_default_spec_bounds_one_x100_contribution() -> None:
 
 def test_clip_median_bounds_magnitude_but_not_a_sign_flip() -> None:
     ref = aggregate(honest()).tensors
-    clip = AggregationConfig(robust="clip_median")
+    clip = AggregationSettings(robust="clip_median")
     for kind in ("x100", "floatmax"):
         assert norm(aggregate(attacked(kind), clip).tensors) <= 1.2 * norm(ref)
-    # the legacy switch means the same rule
-    legacy = AggregationConfig(robust="none", clip_to_median_norm=True)
-    assert legacy.rule == "clip_median"
-    a = aggregate(attacked("x100"), legacy).tensors
+    # the run spec's [sync] robust = "clip_median" is the same rule
+    from_spec = SyncSpec(robust="clip_median").aggregation_settings()
+    assert from_spec == clip
+    a = aggregate(attacked("x100"), from_spec).tensors
     assert all(torch.equal(x, y) for x, y in zip(a, aggregate(attacked("x100"), clip).tensors, strict=True))
     assert rel_err(aggregate(attacked("flip"), clip).tensors, ref) > 0.5  # what "trimmed" adds
 
@@ -105,14 +105,14 @@ def test_clip_median_bounds_magnitude_but_not_a_sign_flip() -> None:
 @pytest.mark.parametrize(
     "cfg",
     [
-        AggregationConfig(),
-        AggregationConfig(method="mean"),
-        AggregationConfig(robust="clip_median"),
-        AggregationConfig(max_norm_ratio=2.0, max_abs_ratio=1.5, trim=0.4),
+        AggregationSettings(),
+        AggregationSettings(aggregation="mean"),
+        AggregationSettings(robust="clip_median"),
+        AggregationSettings(max_norm_ratio=2.0, max_abs_ratio=1.5, trim=0.4),
     ],
     ids=["trimmed", "trimmed-mean", "clip_median", "other-bounds"],
 )
-def test_the_aggregate_is_bit_identical_whatever_the_dict_order(cfg: AggregationConfig) -> None:
+def test_the_aggregate_is_bit_identical_whatever_the_dict_order(cfg: AggregationSettings) -> None:
     for kind in ATTACKS:
         c = attacked(kind, seed=3)
         ref = aggregate(c, cfg)
@@ -189,14 +189,16 @@ def test_robust_settings_are_validated_with_the_field_value_and_rule() -> None:
     ]:
         with pytest.raises(ValueError, match=what):
             SyncSpec(**bad)  # type: ignore[arg-type]
+    # the aggregation's own settings (what node/sync/aggregation.py takes) are checked the same way
     for bad, what in [
-        ({"robust": "x"}, "robust='x' must be 'none', 'clip_median' or 'trimmed'"),
-        ({"max_norm_ratio": 0.0}, r"max_norm_ratio=0.0 must be a number in \[1, 1e\+06\]"),
-        ({"trim": -0.1}, r"trim=-0.1 must be a number in \[0, 0.5\)"),
-        ({"min_agreement": True}, "min_agreement=True must be a number"),
+        ({"robust": "x"}, r"sync.robust='x' must be 'trimmed' \(the default\), 'clip_median' or 'none'"),
+        ({"max_norm_ratio": 0.0}, r"sync.max_norm_ratio=0.0 must be a finite number in \[1, 1e\+06\]"),
+        ({"trim": -0.1}, r"sync.trim=-0.1 must be in \[0, 0.5\)"),
+        ({"min_agreement": True}, "sync.min_agreement=True must be a number"),
+        ({"max_abs": "1"}, "sync.max_abs='1' must be a number"),
     ]:
         with pytest.raises(ValueError, match=what):
-            AggregationConfig(**bad)  # type: ignore[arg-type]
+            AggregationSettings(**bad)  # type: ignore[arg-type]
 
 
 def test_run_toml_sets_the_rule_and_the_old_field_is_refused(tmp_path: Path) -> None:

@@ -18,7 +18,7 @@ from pathlib import Path
 
 import pytest
 
-from node.cli import BOOTSTRAP_KEY, NODE_KEY, SETTINGS, build_parser, join_settings, node_config_data
+from node.cli import BOOTSTRAP_KEY, NODE_KEY, SETTINGS, build_parser, join_settings, node_config
 from protocol.process.cli_errors import EXAMPLE_PEER_ID, UsageError
 from scripts.procs import Child
 
@@ -293,9 +293,8 @@ def test_bootstrap_given_only_in_the_file_is_used(tmp_path: Path, home: Path, st
 
 
 def test_flags_override_the_file_and_every_flag_has_a_key(tmp_path: Path) -> None:
-    from node.daemon import NodeConfig  # torch: in this test only
+    from node.config import NodeConfig
     from protocol.net.store import StoreConfig
-    from protocol.schema import from_dict
 
     cfg = write(
         tmp_path,
@@ -304,7 +303,7 @@ def test_flags_override_the_file_and_every_flag_has_a_key(tmp_path: Path) -> Non
     )
     args = build_parser().parse_args(["join", "--config", cfg, "--price-per-hour", "2.5", "--no-compile"])
     st = join_settings(args)
-    node_cfg = from_dict(NodeConfig, node_config_data(st))
+    node_cfg = node_config(st)
     assert node_cfg.price_per_hour == 2.5 and node_cfg.device == "cpu" and node_cfg.compile is False
     assert node_cfg.store is not None and node_cfg.store.endpoint_url == "http://127.0.0.1:9000"
     assert st.label("node", "price_per_hour") == "--price-per-hour"
@@ -312,7 +311,7 @@ def test_flags_override_the_file_and_every_flag_has_a_key(tmp_path: Path) -> Non
     # the table and the daemon's config agree: no NodeConfig field without a key, no key without a field
     import dataclasses
 
-    node_keys = {s.key for s in SETTINGS if s.section == "node"} - {"log_level", "log_format"}
+    node_keys = {s.key for s in SETTINGS if s.section == "node"}
     assert node_keys == {f.name for f in dataclasses.fields(NodeConfig)} - {"store"}
     assert {s.key for s in SETTINGS if s.section == "store"} == {
         f.name for f in dataclasses.fields(StoreConfig)
@@ -320,11 +319,8 @@ def test_flags_override_the_file_and_every_flag_has_a_key(tmp_path: Path) -> Non
 
 
 def test_the_example_config_is_valid() -> None:
-    from node.daemon import NodeConfig
-    from protocol.schema import from_dict
-
     args = build_parser().parse_args(["join", "--config", str(ROOT / "docs" / "examples" / "node.toml")])
-    node_cfg = from_dict(NodeConfig, node_config_data(join_settings(args)))
+    node_cfg = node_config(join_settings(args))
     assert node_cfg.bootstrap and node_cfg.operator_key.startswith("12D3KooW") and node_cfg.store is not None
 
 

@@ -162,7 +162,7 @@ def test_bad_store_endpoint(home: Path) -> None:
         crucible(home, "launch", RUN_TOML, *BOOT, "--store-endpoint", "not-a-url"),
         "--store-endpoint",
         "'not-a-url'",
-        "example: http://",
+        "example: --store-endpoint http://",
     )
 
 
@@ -526,7 +526,7 @@ def test_a_replica_that_dropped_out_is_shown_as_such(
     from protocol.net.dht_client import dht_time
     from protocol.net.store import ObjectStore, StoreConfig
     from protocol.runspec import ModelSpec, RunSpec
-    from tests.observability import chromium, plot_ticks
+    from tests.helpers.observability import chromium, plot_ticks
 
     store = ObjectStore(StoreConfig(endpoint_url=moto_store, bucket="crucible"))
     store.ensure_bucket()

@@ -1,9 +1,9 @@
 """Store faults met by real node processes (issue 10, acceptance 4).
 
-A swarm of two one-stage replicas; node 1 reaches the embedded S3 server only through a fault-injecting
-HTTP proxy (tests/fault_proxy.py, real sockets). For a while every fragment request of node 1 is answered
-503 SlowDown, held unanswered, or cut off half way, in turn. The rounds must complete (or skip cleanly),
-the two replicas must end with identical weights (nothing half-applied), and node 1 must end healthy.
+A swarm of two one-stage replicas; node 1 reaches the embedded S3 server only through a fault-injecting HTTP
+proxy (tests/helpers/fault_proxy.py, real sockets). For a while every fragment request of node 1 is answered
+503 SlowDown, held unanswered, or cut off half way, in turn. The rounds must complete (or skip cleanly), the
+two replicas must end with identical weights (nothing half-applied), and node 1 must end healthy.
 """
 
 from __future__ import annotations
@@ -18,7 +18,7 @@ from pathlib import Path
 import pytest
 
 from scripts.local_swarm import Swarm
-from tests.fault_proxy import FaultProxy
+from tests.helpers.fault_proxy import FaultProxy
 from tests.test_swarm import RUN_TOML, run_metrics, wait_until
 
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(600)]

@@ -19,7 +19,7 @@ import pytest
 from node.sync.outer_sync import FragmentId, OuterSync
 from protocol import keys
 from protocol.net.store import ObjectStore, StoreConfig
-from tests.fragment_faults import corrupt, valid_blob
+from tests.helpers.fragment_faults import corrupt, valid_blob
 from tests.test_sparseloco_sync import CFG, IDS, SHAPES, assert_same_anchors, lockstep, make_replicas
 
 pytestmark = pytest.mark.timeout(60)

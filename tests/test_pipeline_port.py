@@ -25,7 +25,7 @@ from protocol.envelope import seal
 from protocol.framing import HEADER, encode_frame
 from protocol.identity import Identity
 from protocol.messages import Hello
-from tests.tcp_pair import socket_pair
+from tests.helpers.tcp_pair import socket_pair
 
 pytestmark = pytest.mark.timeout(60)
 ROOT = Path(__file__).resolve().parent.parent

@@ -2,19 +2,23 @@
 
 from __future__ import annotations
 
+import hashlib
 import socket
+from dataclasses import fields
 
 import msgpack
 import pytest
 from hivemind.dht.validation import DHTRecord
 
+from protocol.codecs.sparseloco import SparseLoCoConfig
 from protocol.envelope import UntrustedSigner, VersionError, open_envelope, seal
 from protocol.framing import ConnectionClosed, FrameError, encode_frame, recv_frame, send_frame
 from protocol.identity import Identity, SignatureError, peer_id_of, public_key_of_peer_id
 from protocol.messages import Endpoint, Hello, NodeAdvert
 from protocol.net.dht_validator import SignedSubkeyValidator
-from protocol.runspec import RunSpec, load_run_spec
-from protocol.schema import SchemaError
+from protocol.runspec import RunSpec, SyncSpec, load_run_spec
+from protocol.schema import SchemaError, from_dict, to_dict
+from protocol.sync_settings import AggregationSettings, Schedule
 
 
 def _hello(ident: Identity) -> Hello:
@@ -87,6 +91,43 @@ def test_run_toml_errors_name_file_and_field(tmp_path) -> None:
         load_run_spec(p)
     with pytest.raises(ValueError, match="does not exist"):
         load_run_spec(tmp_path / "missing.toml")
+
+
+SYNC_KEYS = (
+    "method H alpha outer_momentum P tau checkpoint_every timeout_s k chunk beta aggregation robust "
+    "max_norm_ratio max_abs_ratio min_agreement trim max_abs max_norm"
+).split()
+
+
+def test_the_sync_section_is_flat_and_builds_its_components() -> None:
+    """[sync] keeps its keys, in the order of the signed encoding, while the codec's and the aggregation's
+    types declare theirs; each component's settings come from the section by one method."""
+    assert [f.name for f in fields(SyncSpec)] == SYNC_KEYS
+    encoded = msgpack.packb(to_dict(SyncSpec()), use_bin_type=True)
+    assert hashlib.sha256(encoded).hexdigest()[:16] == "def89355c4f9a399"  # as before the types
+    s = SyncSpec(
+        H=12, P=3, tau=2, k=16, chunk=256, beta=0.7, aggregation="mean", robust="clip_median", max_abs=5.0
+    )
+    assert from_dict(SyncSpec, to_dict(s)) == s
+    assert s.schedule() == Schedule(H=12, P=3, tau=2)
+    assert s.sparseloco() == SparseLoCoConfig(chunk=256, k=16, beta=0.7)
+    agg = s.aggregation_settings()
+    assert type(agg) is AggregationSettings
+    assert agg == AggregationSettings(aggregation="mean", robust="clip_median", max_abs=5.0)
+
+
+def test_the_schedule_names_each_steps_captures_and_rounds() -> None:
+    sc = Schedule(H=4, P=2, tau=1)  # q = 2: fragment 0 captured at step 2 of each cycle, fragment 1 at 4
+    assert [sc.captures(t) for t in range(9)] == [[], [], [(0, 0)], [], [(1, 0)], [], [(0, 1)], [], [(1, 1)]]
+    assert [sc.round_ended(t) for t in range(9)] == [None, None, None, None, 1, None, None, None, 2]
+    assert [sc.round_at(t) for t in (4, 5, 8, 9)] == [0, 1, 1, 2]  # round r's last fragment lands at rH + tau
+    assert [sc.settled_at(t) for t in range(10)] == [None] * 5 + [1, None, None, None, 2]
+    assert Schedule(H=4, P=2, tau=2).settled_at(6) == 1  # the outer loop allows tau < H ...
+    with pytest.raises(ValueError, match=r"sync.tau=2 must satisfy 0 <= tau < H/P=2 \(H=4, P=2\)"):
+        SyncSpec(H=4, P=2, tau=2)  # ... a run spec tau < H/P, so checkpoints see whole rounds
+    for bad, what in [({"P": 5}, "0 < P <= H"), ({"tau": 4}, "0 <= tau < H=4"), ({"tau": -1}, "0 <= tau")]:
+        with pytest.raises(ValueError, match=what):
+            Schedule(**{"H": 4, "P": 2, "tau": 1, **bad})
 
 
 def test_framing_limits_and_eof() -> None:

@@ -12,7 +12,8 @@ import pytest
 import torch
 
 from node.sync.dense_sync import DenseCodec
-from node.sync.round_exchange import Exchanged, FragmentId, RoundExchange, SyncStats
+from node.sync.exchange import Exchanged, FragmentId, SyncStats
+from node.sync.round_exchange import RoundExchange
 from protocol import keys
 from protocol.envelope import open_envelope
 from protocol.identity import Identity
@@ -105,7 +106,7 @@ def test_a_squatted_primary_key_takes_no_slot(store: ObjectStore) -> None:
     assert len(store.list(keys.slot_prefix(run, 0, 0, 0, 1))) == 2
     assert exs[0].stats.rejected >= 1
     assert got[1].unsent is None  # replica 1's own fragment, at its hash-named key, is the one used
-    assert exs[1].signers(1) == {IDS[1].peer_id}
+    assert exs[1].reader.signers(1) == {IDS[1].peer_id}
 
 
 def test_a_record_no_slot_signer_wrote_is_not_adopted(store: ObjectStore) -> None:
@@ -132,6 +133,6 @@ def test_set_stage_peers_keeps_the_replaced_signer_for_its_rounds(store: ObjectS
     ex = exchange(store, 0, 2)
     newcomer = Identity.from_seed(bytes([77]) * 32).peer_id
     known = ex.set_stage_peers({0: IDS[0].peer_id, 1: newcomer})
-    assert ex.signers(1) == {newcomer, IDS[1].peer_id}
+    assert ex.reader.signers(1) == {newcomer, IDS[1].peer_id}
     assert known == {IDS[0].peer_id, newcomer, IDS[1].peer_id}
-    assert ex.slots() == {0, 1}
+    assert ex.reader.slots() == {0, 1}

@@ -13,7 +13,7 @@ from node.pipeline.schedule import PipelineStage
 from node.pipeline.transport import Link
 from node.subspace_model import boundary_codecs
 from protocol.runspec import ModelSpec, RunSpec
-from tests.tcp_pair import socket_pair
+from tests.helpers.tcp_pair import socket_pair
 
 SPEC = RunSpec(run_id="t", stages=3, model=ModelSpec(d_model=32, n_layers=3, n_heads=2, d_ff=64, seq_len=16))
 M = 5

@@ -14,7 +14,6 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from node.sync.aggregation import (
-    AggregationConfig,
     aggregate,
     mean_over_arrivals,
     median_norm_clip,
@@ -54,6 +53,7 @@ from protocol.codecs.sparseloco_format import (
 from protocol.envelope import UntrustedSigner, VersionError
 from protocol.identity import Identity
 from protocol.schema import ProtocolError, to_dict
+from protocol.sync_settings import AggregationSettings
 
 ALICE = Identity.from_seed(bytes(range(32)))
 MALLORY = Identity.from_seed(bytes(range(1, 33)))
@@ -639,7 +639,7 @@ def test_aggregation_is_independent_of_arrival_order() -> None:
     rev = sum((c[j][0] for j in reversed(ids)), torch.zeros(64, 96))
     assert not torch.equal(fwd, rev)
     # ...but the aggregate sorts by replica id, so any arrival order gives the same bits
-    for cfg in (AggregationConfig(method="mean"), AggregationConfig(clip_to_median_norm=True)):
+    for cfg in (AggregationSettings(aggregation="mean"), AggregationSettings()):
         ref = aggregate(c, cfg)
         for perm in (ids[::-1], ids[1:] + ids[:1]):
             got = aggregate({j: c[j] for j in perm}, cfg)
@@ -654,7 +654,7 @@ def test_median_norm_clip() -> None:
     assert f[0] == f[1] == f[2] == 1.0 and f[3] < 1 and f[4] < 1
     for j in (3, 4):
         assert norm(clipped[j]) == pytest.approx(med, rel=1e-6)
-    agg = aggregate(c, AggregationConfig(method="mean", clip_to_median_norm=True))
+    agg = aggregate(c, AggregationSettings(aggregation="mean"))
     assert float(agg.tensors[0].max()) <= 3.0 + 1e-5  # a huge contribution cannot drag the mean
 
 
@@ -672,12 +672,12 @@ def test_screen_rejects_bad_contributions() -> None:
     reasons = {r.replica: r.reason for r in rej}
     assert "NaN or inf" in reasons[1] and "do not match" in reasons[2]
     assert "max_abs" in reasons[3] and "max_norm" in reasons[4]
-    agg = aggregate(c, AggregationConfig(max_abs=10.0, max_norm=10.0))
+    agg = aggregate(c, AggregationSettings(max_abs=10.0, max_norm=10.0))
     assert agg.used == (0,) and [r.replica for r in agg.rejected] == [1, 2, 3, 4]
     none = aggregate({1: c[1]}, shapes=[(4, 4), (2,)])
     assert none.used == () and all((t == 0).all() for t in none.tensors)
     with pytest.raises(ValueError, match="max_abs"):
-        AggregationConfig(max_abs=-1.0)
+        AggregationSettings(max_abs=-1.0)
 
 
 def test_aggregate_decoded_fragments_end_to_end() -> None:

@@ -14,7 +14,7 @@ from collections.abc import Callable, Iterator
 import pytest
 import torch
 
-from node.sync.aggregation import AggregationConfig, aggregate
+from node.sync.aggregation import aggregate
 from node.sync.outer_sync import FragmentId, OuterSync
 from node.sync.sparseloco_sync import SparseLoCoCodec, make_aggregator, make_sync_parts
 from protocol import keys
@@ -29,13 +29,14 @@ from protocol.identity import Identity
 from protocol.messages import RoundRecord
 from protocol.net.store import ObjectStore, StoreConfig
 from protocol.runspec import RunSpec, SyncSpec
-from tests.fault_proxy import FaultProxy
-from tests.fragment_faults import KINDS, MALLORY, corrupt, valid_blob
+from protocol.sync_settings import AggregationSettings, Schedule
+from tests.helpers.fault_proxy import FaultProxy
+from tests.helpers.fragment_faults import KINDS, MALLORY, corrupt, valid_blob
 
 pytestmark = pytest.mark.timeout(60)
 
 CFG = SparseLoCoConfig()
-AGG = AggregationConfig(method="per_coordinate")
+AGG = AggregationSettings(aggregation="per_coordinate")
 IDS = [Identity.from_seed(bytes([i + 1]) * 32) for i in range(4)]
 
 
@@ -91,9 +92,7 @@ def make_replicas(
             stage=0,
             replica=r,
             stage_peers=peers,
-            H=H,
-            P=P,
-            tau=tau,
+            schedule=Schedule(H=H, P=P, tau=tau),
             alpha=alpha,
             timeout_s=15.0,
             poll_s=0.01,

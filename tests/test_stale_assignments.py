@@ -78,7 +78,7 @@ class Run:
         )  # fmt: skip
 
     def archive(self, term: int, epoch: int, assignments: list[Assignment]) -> None:
-        """What Coordinator._archive_and_publish writes (then it publishes each in the DHT)."""
+        """What RunPublisher.archive_and_publish (coordinator/run_publisher.py) writes (then it publishes each in the DHT)."""
         blob = msgpack.packb([seal(OPERATOR, a) for a in assignments])
         self.store.put(keys.assign_key(self.rid, term, epoch), blob)
         for a in assignments:

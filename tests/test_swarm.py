@@ -31,8 +31,8 @@ from protocol.net.dht_client import DHTClient, dht_time
 from protocol.net.store import ObjectStore, StoreConfig
 from protocol.runspec import ModelSpec, RunSpec, SyncSpec, TrainSpec, load_run_spec
 from scripts.local_swarm import Swarm, set_pipeline
-from tests.fragment_faults import corrupt
-from tests.observability import bad_requests_get_4xx, dashboard_shows_run, http_status, scrape
+from tests.helpers.fragment_faults import corrupt
+from tests.helpers.observability import bad_requests_get_4xx, dashboard_shows_run, http_status, scrape
 from tests.test_export import hf_logits, pipeline_logits, sample_tokens
 
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(600)]

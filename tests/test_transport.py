@@ -13,7 +13,7 @@ import pytest
 
 from node.pipeline.transport import Link, LinkError, Shaper
 from protocol.framing import FrameError
-from tests.tcp_pair import socket_pair
+from tests.helpers.tcp_pair import socket_pair
 
 pytestmark = pytest.mark.timeout(60)
 

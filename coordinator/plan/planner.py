@@ -396,6 +396,77 @@ def figures_at(fig: Figures, fig_tokens_per_s: float, tokens_per_s: float) -> Fi
     return Figures(effective_mfu=mfu, tax=1.0 - mfu / ceiling, usd_per_mtok=usd)
 
 
+def _memory_warnings(shape: ModelShape, layout: Layout, settings: RunSettings) -> list[str]:
+    """Hosts whose stage state (weights, gradients, optimizer), or state and activations, pass
+    MEMORY_HEADROOM of their memory: one warning for each, naming the first such host."""
+    S = len(layout.layers)
+    warnings = []
+    params = stage_params(shape, layout.layers)
+    state = settings.state_bytes_per_param()
+    over = [
+        h.name
+        for rep in layout.replicas
+        for s, h in enumerate(rep)
+        if params[s] * state > MEMORY_HEADROOM * memory.GB * h.memory_gb > 0
+    ]
+    if over:
+        warnings.append(
+            f"stage state exceeds 90% of memory on {len(over)} host(s), e.g. {over[0]}: use more stages"
+        )
+    need = stage_memory_bytes(shape, layout.layers, settings)
+    full = [
+        (h, s)
+        for rep in layout.replicas
+        for s, h in enumerate(rep)
+        if h.name not in over and need[s] > MEMORY_HEADROOM * memory.GB * h.memory_gb > 0
+    ]
+    if full:
+        h, s = full[0]
+        warnings.append(
+            f"with activations (no recomputation, {settings.in_flight(S, s)} microbatches in flight) stage "
+            f"memory exceeds 90% on {len(full)} host(s), e.g. {h.name}: stage {s} needs {need[s] / memory.GB:.1f} "
+            f"of {h.memory_gb:.0f} GB; lower microbatch_size or extra_in_flight, or use more stages"
+        )
+    return warnings
+
+
+def _link_warnings(steps: list[_ReplicaStep]) -> list[str]:
+    """The link messages that add to their replica's step, in one warning (none if no link does)."""
+    # a link is worth a warning when its transfers cost the step more than LINK_WARN_SHARE of it: on a
+    # fast link (loopback, a datacenter) a message that the schedule cannot fully hide still costs nothing
+    links = [ln for st in steps for ln in st.links]
+    step_of = {r: st.step_s for r, st in enumerate(steps)}
+    slow = [ln for ln in links if not ln.hidden and ln.added_s > LINK_WARN_SHARE * step_of[ln.replica]]
+    if not slow:
+        return []
+    return [
+        f"{len(slow)} of {len(links)} link messages add to the step (up to "
+        f"{max(ln.added_s / step_of[ln.replica] for ln in slow):.0%} of it; k down to "
+        f"{min(ln.k for ln in slow)}): add bandwidth, lower k, or (1F1B) raise extra_in_flight to cover "
+        "the round trips"
+    ]
+
+
+def _store_warnings(layout: Layout, settings: RunSettings, steps: list[_ReplicaStep]) -> list[str]:
+    """Each replica whose slowest store link cannot move a fragment in the time the schedule gives it."""
+    warnings = []
+    for r, (hosts, st) in enumerate(zip(layout.replicas, steps, strict=True)):
+        # each replica's store links against the fragment schedule: a fragment every H/P steps, each
+        # overlapping tau steps (tau = 0: no overlap asked for; sync_wait already counts the wait)
+        t_f, per_frag = st.fragment_transfer_s, settings.H / settings.fragments * st.step_s
+        over_window = settings.tau > 0 and t_f > settings.tau * st.step_s
+        if over_window or t_f > per_frag:
+            slow_store = min(hosts, key=lambda h: h.store_mbps)
+            budget = min(per_frag, settings.tau * st.step_s) if over_window else per_frag
+            warnings.append(
+                f"replica {r}: a fragment takes {t_f:.1f} s at its slowest store link ({slow_store.name}, "
+                f"{slow_store.store_mbps:.0f} Mbit/s), over the {budget:.1f} s the fragment schedule gives "
+                f"it (tau x step {settings.tau * st.step_s:.1f} s, H/P steps {per_frag:.1f} s): raise tau, H "
+                "or P, or place nodes with faster store links"
+            )
+    return warnings
+
+
 def predict(shape: ModelShape, layout: Layout, settings: RunSettings) -> Prediction:
     """Predict throughput, MFU, tax and price of `layout` (module docstring for F and the definitions).
 
@@ -445,58 +516,11 @@ def predict(shape: ModelShape, layout: Layout, settings: RunSettings) -> Predict
     t_frag = max(st.fragment_transfer_s for st in steps)
     window = settings.tau * min(st.step_s for st in steps)
 
-    warnings = []
-    params = stage_params(shape, layout.layers)
-    state = settings.state_bytes_per_param()
-    over = [
-        h.name
-        for rep in layout.replicas
-        for s, h in enumerate(rep)
-        if params[s] * state > MEMORY_HEADROOM * memory.GB * h.memory_gb > 0
+    warnings = [
+        *_memory_warnings(shape, layout, settings),
+        *_link_warnings(steps),
+        *_store_warnings(layout, settings, steps),
     ]
-    if over:
-        warnings.append(
-            f"stage state exceeds 90% of memory on {len(over)} host(s), e.g. {over[0]}: use more stages"
-        )
-    need = stage_memory_bytes(shape, layout.layers, settings)
-    full = [
-        (h, s)
-        for rep in layout.replicas
-        for s, h in enumerate(rep)
-        if h.name not in over and need[s] > MEMORY_HEADROOM * memory.GB * h.memory_gb > 0
-    ]
-    if full:
-        h, s = full[0]
-        warnings.append(
-            f"with activations (no recomputation, {settings.in_flight(S, s)} microbatches in flight) stage "
-            f"memory exceeds 90% on {len(full)} host(s), e.g. {h.name}: stage {s} needs {need[s] / memory.GB:.1f} "
-            f"of {h.memory_gb:.0f} GB; lower microbatch_size or extra_in_flight, or use more stages"
-        )
-    # a link is worth a warning when its transfers cost the step more than LINK_WARN_SHARE of it: on a
-    # fast link (loopback, a datacenter) a message that the schedule cannot fully hide still costs nothing
-    step_of = {r: st.step_s for r, st in enumerate(steps)}
-    slow = [ln for ln in links if not ln.hidden and ln.added_s > LINK_WARN_SHARE * step_of[ln.replica]]
-    if slow:
-        warnings.append(
-            f"{len(slow)} of {len(links)} link messages add to the step (up to "
-            f"{max(ln.added_s / step_of[ln.replica] for ln in slow):.0%} of it; k down to "
-            f"{min(ln.k for ln in slow)}): add bandwidth, lower k, or (1F1B) raise extra_in_flight to cover "
-            "the round trips"
-        )
-    for r, (hosts, st) in enumerate(zip(layout.replicas, steps, strict=True)):
-        # each replica's store links against the fragment schedule: a fragment every H/P steps, each
-        # overlapping tau steps (tau = 0: no overlap asked for; sync_wait already counts the wait)
-        t_f, per_frag = st.fragment_transfer_s, settings.H / settings.fragments * st.step_s
-        over_window = settings.tau > 0 and t_f > settings.tau * st.step_s
-        if over_window or t_f > per_frag:
-            slow_store = min(hosts, key=lambda h: h.store_mbps)
-            budget = min(per_frag, settings.tau * st.step_s) if over_window else per_frag
-            warnings.append(
-                f"replica {r}: a fragment takes {t_f:.1f} s at its slowest store link ({slow_store.name}, "
-                f"{slow_store.store_mbps:.0f} Mbit/s), over the {budget:.1f} s the fragment schedule gives "
-                f"it (tau x step {settings.tau * st.step_s:.1f} s, H/P steps {per_frag:.1f} s): raise tau, H "
-                "or P, or place nodes with faster store links"
-            )
     return Prediction(
         tokens_per_s=tokens_per_s,
         effective_mfu=fig.effective_mfu,

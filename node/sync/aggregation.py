@@ -2,13 +2,13 @@
 
     Delta_bar = aggregate({decode(c_j) : j in A})          A = the replicas whose fragment arrived
 
-Averaging (`AggregationConfig.method`; SparseLoCo, arXiv 2508.15706):
+Averaging (`AggregationSettings.aggregation`, protocol/sync_settings.py; SparseLoCo, arXiv 2508.15706):
 
 - `mean_over_arrivals` (the paper):  Delta_bar = (1/|A|) sum_{j in A} Delta_j
 - `per_coordinate_mean` (Templar):    Delta_bar[i] = sum_j Delta_j[i] / #{j : Delta_j[i] != 0}, 0 if none;
   with sparse contributions a coordinate only one replica chose is not diluted by 1/|A|.
 
-Bounded influence of one replica (`AggregationConfig.robust`, DESIGN section 10; on by default):
+Bounded influence of one replica (`AggregationSettings.robust`, DESIGN section 10; on by default):
 
 - `screen`:            drop contributions with the wrong shapes, NaN/inf, or beyond the absolute
                        `max_abs` / `max_norm` (off unless set), saying why.
@@ -23,8 +23,8 @@ Bounded influence of one replica (`AggregationConfig.robust`, DESIGN section 10;
                        b_i = min(ceil(trim * n_i), floor((n_i - 1) / 2)) smallest and largest and average
                        the rest (arXiv 1803.01498): with trim 0.25 the median of 3, the middle two of 4.
 
-"clip_median" = clamp + clip, then `method`'s average; "trimmed" (the default) = clamp + clip +
-agreement screen + trimmed mean; "none" = the screen and `method`'s average only. Medians are lower
+"clip_median" = clamp + clip, then `aggregation`'s average; "trimmed" (the default) = clamp + clip +
+agreement screen + trimmed mean; "none" = the screen and `aggregation`'s average only. Medians are lower
 medians (the ((n-1)//2)-th smallest): with one hostile replica among 3 or 4 the scale is an honest
 one's, among 2 the smaller one's. Magnitudes are bounded by scaling down, not by rejection: an honest
 replica that is merely unusual this round (fresh error feedback after a restart, an odd batch) keeps
@@ -44,18 +44,15 @@ from __future__ import annotations
 import math
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
-from typing import Literal
 
 import numpy as np
 import torch
 
+from protocol.sync_settings import AggregationSettings
+
 Contributions = Mapping[int, Sequence[torch.Tensor]]
 """Replica id -> that replica's decoded pseudo-gradient, one dense tensor per parameter."""
 
-Robust = Literal["none", "clip_median", "trimmed"]
-ROBUST_RULES: tuple[Robust, ...] = ("none", "clip_median", "trimmed")
-MAX_RATIO = 1e6
-"""Upper bound of `max_norm_ratio` and `max_abs_ratio`: beyond it a bound no longer bounds anything."""
 _BLOCK = 1 << 20
 """Coordinates per block of the trimmed mean and the inner products (bounds their temporary memory to a
 few times R x 8 MiB whatever the tensor's size; fixed, so the float64 sums are the same on every host)."""
@@ -67,67 +64,6 @@ class Rejection:
 
     replica: int
     reason: str
-
-
-def _check_ratio(name: str, v: object) -> None:
-    if isinstance(v, bool) or not isinstance(v, (int, float)) or not 1.0 <= v <= MAX_RATIO:
-        raise ValueError(f"AggregationConfig.{name}={v!r} must be a number in [1, {MAX_RATIO:g}]")
-
-
-@dataclass(kw_only=True, frozen=True)
-class AggregationConfig:
-    """How decoded contributions become Delta_bar."""
-
-    method: Literal["mean", "per_coordinate"] = "per_coordinate"
-    """"mean": mean over arrivals (paper); "per_coordinate": divide each coordinate by the number of
-    contributions nonzero there (Templar; 4.4% vs 24% bits-per-byte gap in the DESIGN's 4-replica trial)."""
-    robust: Robust = "trimmed"
-    """Bound on one replica's influence: "trimmed" (clamp + median-norm clip + agreement screen +
-    coordinate-wise trimmed mean; resists magnitude attacks and sign flips), "clip_median"
-    (clamp + clip, then `method`'s average; magnitude attacks only) or "none" (the screen only)."""
-    max_norm_ratio: float = 1.0
-    """Clip each contribution's L2 norm to this multiple of the round's (lower) median norm, in [1, 1e6]."""
-    max_abs_ratio: float = 4.0
-    """Clamp each value of tensor t to +-(this multiple of the round's median of max|Delta_j,t|); in
-    [1, 1e6]."""
-    min_agreement: float = 0.0
-    """"trimmed": leave out a contribution whose cosine with the sum of the others is below this, lowest
-    first, in [-1, 1] (-1: never)."""
-    trim: float = 0.25
-    """"trimmed": fraction of the values at a coordinate dropped at each end (at least one where >= 3
-    replicas sent it, never so many that none is left), in [0, 0.5)."""
-    clip_to_median_norm: bool = False
-    """Legacy switch: with robust="none", True means "clip_median"."""
-    max_abs: float | None = None
-    """Reject a contribution holding any |value| above this (None: no bound)."""
-    max_norm: float | None = None
-    """Reject a contribution whose L2 norm (over all its tensors) exceeds this (None: no bound)."""
-
-    def __post_init__(self) -> None:
-        if self.method not in ("mean", "per_coordinate"):
-            raise ValueError(f"AggregationConfig.method={self.method!r} must be 'mean' or 'per_coordinate'")
-        if self.robust not in ROBUST_RULES:
-            raise ValueError(
-                f"AggregationConfig.robust={self.robust!r} must be 'none', 'clip_median' or 'trimmed'"
-            )
-        _check_ratio("max_norm_ratio", self.max_norm_ratio)
-        _check_ratio("max_abs_ratio", self.max_abs_ratio)
-        m = self.min_agreement
-        if isinstance(m, bool) or not isinstance(m, (int, float)) or not -1 <= m <= 1:
-            raise ValueError(f"AggregationConfig.min_agreement={m!r} must be a number in [-1, 1]")
-        if isinstance(self.trim, bool) or not isinstance(self.trim, (int, float)) or not 0 <= self.trim < 0.5:
-            raise ValueError(f"AggregationConfig.trim={self.trim!r} must be a number in [0, 0.5)")
-        for name in ("max_abs", "max_norm"):
-            v = getattr(self, name)
-            if v is not None and not (isinstance(v, (int, float)) and v > 0 and math.isfinite(v)):
-                raise ValueError(f"AggregationConfig.{name}={v!r} must be a positive finite number or None")
-
-    @property
-    def rule(self) -> Robust:
-        """The robust rule in effect (`clip_to_median_norm` folded in)."""
-        if self.robust == "none" and self.clip_to_median_norm:
-            return "clip_median"
-        return self.robust
 
 
 @dataclass(frozen=True)
@@ -380,13 +316,14 @@ def trimmed_mean(
 
 def aggregate(
     contribs: Contributions,
-    cfg: AggregationConfig = AggregationConfig(),  # noqa: B008  (frozen, so a shared default is safe)
+    cfg: AggregationSettings = AggregationSettings(),  # noqa: B008  (frozen, so a shared default is safe)
     shapes: Sequence[Sequence[int]] | None = None,
 ) -> Aggregate:
     """screen -> (robust) clamp -> median-norm clip -> (trimmed) agreement screen -> mean or trimmed
     mean, as `cfg` says. Zeros (and `used == ()`) when every contribution is rejected; the caller then
     skips the outer step."""
-    ok, rejected = screen(contribs, shapes, max_abs=cfg.max_abs, max_norm=cfg.max_norm)
+    # 0 = no absolute bound
+    ok, rejected = screen(contribs, shapes, max_abs=cfg.max_abs or None, max_norm=cfg.max_norm or None)
     if shapes is None:
         first = _ordered(contribs)[:1]
         shapes = [tuple(t.shape) for t in first[0][1]] if first else None
@@ -397,7 +334,7 @@ def aggregate(
         return Aggregate(tensors=zeros, used=(), rejected=tuple(rejected))
     factors = {j: 1.0 for j in ok}
     clamped = {j: 0 for j in ok}
-    rule = cfg.rule
+    rule = cfg.robust
     if rule != "none":
         ok, clamped = clamp_to_median_max_abs(ok, cfg.max_abs_ratio)
         ok, factors = median_norm_clip(ok, cfg.max_norm_ratio)
@@ -407,7 +344,7 @@ def aggregate(
         if not ok:
             zeros = [torch.zeros(tuple(s)) for s in shapes or []]
             return Aggregate(tensors=zeros, used=(), rejected=tuple(rejected))
-    per_coordinate = cfg.method == "per_coordinate"
+    per_coordinate = cfg.aggregation == "per_coordinate"
     if rule == "trimmed":
         mean = trimmed_mean(ok, cfg.trim, per_coordinate=per_coordinate)
     else:
@@ -418,13 +355,9 @@ def aggregate(
 
 
 __all__ = [
-    "MAX_RATIO",
-    "ROBUST_RULES",
     "Aggregate",
-    "AggregationConfig",
     "Contributions",
     "Rejection",
-    "Robust",
     "aggregate",
     "agreement_screen",
     "clamp_to_median_max_abs",

@@ -10,9 +10,10 @@ fragment f is captured at inner step c_f = (f+1) q of each H-step cycle and appl
     theta(a_f)  <- theta_anchor + (theta(a_f) - theta(c_f))   # keep the tau steps of local drift
 
 Upload and fetch run on a background I/O thread while training goes on for tau steps; applying blocks
-only for what is still in flight, and that wait is recorded. Which fragments a round applies is agreed by
-the round exchange (node/sync/round_exchange.py `RoundExchange`), which this owner holds: it puts ours, waits
-for the others' and returns the set every replica applies.
+only for what is still in flight, and that wait is recorded. The schedule and a step's round are
+protocol/sync_settings.py `Schedule`'s. Which fragments a round applies is agreed by the round exchange this
+owner holds behind node/sync/exchange.py's `Exchange` (the store's: node/sync/round_exchange.py
+`RoundExchange`): it puts ours, waits for the others' and returns the set every replica applies.
 """
 
 from __future__ import annotations
@@ -29,18 +30,20 @@ from typing import Protocol
 import torch
 
 from node.sync.aggregation import mean_over_arrivals
-from node.sync.round_exchange import (
+from node.sync.exchange import (
     Encoding,
+    Exchange,
     Exchanged,
     FragmentCodec,
     FragmentId,
     RoundAgreementError,
-    RoundExchange,
     SyncStats,
 )
+from node.sync.round_exchange import RoundExchange
 from node.sync.stage_checkpoints import StageCheckpoints
 from protocol.checkpoint import Checkpoint
 from protocol.net.store import ObjectStore
+from protocol.sync_settings import Schedule
 
 log = logging.getLogger(__name__)
 
@@ -117,9 +120,7 @@ class OuterSync:
         replica: int,
         stage_peers: dict[int, str],
         former_stage_peers: dict[int, set[str]] | None = None,
-        H: int,
-        P: int,
-        tau: int,
+        schedule: Schedule,
         alpha: float,
         momentum: float = 0.0,
         timeout_s: float = 60.0,
@@ -131,32 +132,30 @@ class OuterSync:
         checkpoint_every: int = 1,
         confine: Confinement | None = None,
     ) -> None:
-        """poll_s, poll_max_s: the first and the longest wait between two polls of the store for the
+        """schedule: when each fragment is captured and applied (`SyncSpec.schedule()`). poll_s,
+        poll_max_s: the first and the longest wait between two polls of the store for the
         other replicas' fragments (exponential backoff). local and checkpoints: what step_done()
         checkpoints, every `checkpoint_every` rounds, and where (neither: no checkpoints, as in the
         benchmarks). confine: the parameters confined to a subspace, whose Delta_bar and codec residual
         are projected onto it (None: none are)."""
-        if not 0 <= tau < H or not 0 < P <= H:
-            raise ValueError(f"need 0 <= tau < H and 0 < P <= H, got H={H} P={P} tau={tau}")
         if not 0 < poll_s <= poll_max_s:
             raise ValueError(f"need 0 < poll_s <= poll_max_s, got poll_s={poll_s} poll_max_s={poll_max_s}")
         self.params = params
         self.store, self.codec = store, codec
         self.run_id, self.stage, self.replica = run_id, stage, replica
-        self.H, self.P, self.tau, self.alpha, self.momentum = H, P, tau, alpha, momentum
+        self.schedule, self.alpha, self.momentum = schedule, alpha, momentum
         self.aggregate = aggregate
         self.local, self.checkpoints, self.checkpoint_every = local, checkpoints, checkpoint_every
         self.confine = confine
         # strided fragments spread big and small tensors evenly: param i belongs to fragment i % P
-        self.fragments = [list(range(f, len(params), P)) for f in range(P)]
-        self.q = H // P
+        self.fragments = [list(range(f, len(params), schedule.P)) for f in range(schedule.P)]
         self.anchor = [p.detach().clone() for p in params]
         self.outer_m = [torch.zeros_like(p) for p in params] if momentum > 0 else []
         self.stats = SyncStats()
         self._pending: list[_Pending] = []
         self._io = ThreadPoolExecutor(max_workers=2, thread_name_prefix="outer-io")
         self._lock = threading.Lock()
-        self.exchange = RoundExchange(
+        self.exchange: Exchange = RoundExchange(
             store,
             codec,
             replica=replica,
@@ -170,10 +169,6 @@ class OuterSync:
         )
 
     # --- schedule ---------------------------------------------------------------------------------
-    def capture_offset(self, f: int) -> int:
-        """c_f = (f + 1) * floor(H / P), in inner steps from the start of the cycle."""
-        return (f + 1) * self.q
-
     def step_done(self, step: int) -> StepOutcome:
         """The worker's one call after inner step `step` (1-based): capture and apply the fragments due,
         end the round every H steps, checkpoint when one is due."""
@@ -192,12 +187,8 @@ class OuterSync:
 
     def capture_due(self, step: int) -> None:
         """Capture phase: fragments whose c_f falls on `step` are compressed and handed to the I/O thread."""
-        rnd, pos = divmod(step, self.H)
-        for f in range(self.P):
-            c_f = self.capture_offset(f)
-            # c_f == H is the cycle's last step, i.e. position 0 of the next cycle
-            if step > 0 and pos == c_f % self.H:
-                self._capture(f, rnd - 1 if c_f == self.H else rnd, step)
+        for f, rnd in self.schedule.captures(step):
+            self._capture(f, rnd, step)
 
     def apply_due(self, step: int) -> list[int]:
         """Apply phase: fragments whose a_f = c_f + tau falls on `step` (blocks for transfers in flight)."""
@@ -210,15 +201,15 @@ class OuterSync:
 
     def round_end(self, step: int) -> int | None:
         """The round that inner step `step` (1-based) ends, or None: rounds end every H steps."""
-        return step // self.H if step > 0 and step % self.H == 0 else None
+        return self.schedule.round_ended(step)
 
     def checkpoint_due(self, step: int, every: int) -> int | None:
         """The round to checkpoint after inner step `step`, or None. A checkpoint is taken when round r's
         fragments are all applied (tau steps after it ends) and nothing of round r+1 is in flight, so the
         anchor, momentum and error feedback are exactly round r's; every `every` rounds."""
-        if every <= 0 or step < self.H or (step - self.tau) % self.H or self._pending:
+        rnd = self.schedule.settled_at(step)
+        if every <= 0 or rnd is None or self._pending:
             return None
-        rnd = (step - self.tau) // self.H
         return rnd if rnd % every == 0 else None
 
     # --- state: checkpoints and digests -----------------------------------------------------------
@@ -299,7 +290,7 @@ class OuterSync:
         encoding = self.codec.encode(fid, delta)
         shapes = [self.params[i].shape for i in idx]
         fut = self._io.submit(self.exchange.run, fid, encoding, shapes)
-        self._pending.append(_Pending(fid, theta, fut, step + self.tau))
+        self._pending.append(_Pending(fid, theta, fut, step + self.schedule.tau))
 
     def set_stage_peers(self, stage_peers: dict[int, str], former: dict[int, set[str]] | None = None) -> None:
         """The signers of this stage's slots changed (a replica rebuilt with a new node, or dropped out):
@@ -339,6 +330,7 @@ __all__ = [
     "Aggregator",
     "Confinement",
     "Encoding",
+    "Exchange",
     "FragmentCodec",
     "FragmentId",
     "LocalState",

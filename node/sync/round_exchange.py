@@ -13,7 +13,7 @@ slot out if not. The consensus stays identical, and our unused contribution goes
 until the round's deadline.
 
 Waiting for the other replicas GETs keys every reader can compute (the round record, each signer's
-primary fragment key) with exponential backoff, and LISTs the round rarely (`RoundExchange._listing`).
+primary fragment key) with exponential backoff, and LISTs the round rarely (`RoundReader.listing`).
 Whoever settles a round first writes its signed, write-once round record; every replica applies exactly
 the set it lists (first writer wins: the rule issue 21 replaces).
 """
@@ -23,112 +23,19 @@ from __future__ import annotations
 import logging
 import threading
 import time
-from collections.abc import Callable
 from dataclasses import dataclass, field
-from typing import Protocol
 
 import torch
 
+from node.sync.exchange import Encoding, Exchanged, FragmentCodec, FragmentId, RoundAgreementError, SyncStats
+from node.sync.round_reader import RoundReader
 from protocol import keys
-from protocol.envelope import open_envelope, seal
-from protocol.identity import Identity
+from protocol.envelope import seal
 from protocol.messages import RecordEntry, RoundRecord
 from protocol.net.store import ObjectStore, ObjectTooLarge, StoreError
 from protocol.schema import ProtocolError
 
 log = logging.getLogger(__name__)
-
-MAX_RECORD_BYTES = 1 << 20
-"""A round record lists at most one entry (~130 bytes) per replica."""
-
-
-class RoundAgreementError(RuntimeError):
-    """The round's agreed set cannot be applied here (a listed fragment stayed out of reach)."""
-
-
-@dataclass(frozen=True)
-class FragmentId:
-    run_id: str
-    stage: int
-    fragment: int
-    round: int
-    replica: int
-
-
-Encoding = Callable[[], tuple[bytes, list[torch.Tensor]]]
-"""The host half of an encode: () -> (signed wire bytes, the contribution exactly as receivers decode it,
-as float32 CPU tensors). OuterSync runs it on its I/O thread, so entropy coding and signing overlap training."""
-
-
-class FragmentCodec(Protocol):
-    """Turns a fragment's pseudo-gradient into signed wire bytes and back."""
-
-    def encode(self, fid: FragmentId, delta: list[torch.Tensor]) -> Encoding:
-        """Run what must happen before training moves on (e.g. error feedback, on delta's device) and
-        return the rest as an `Encoding` for the I/O thread."""
-        ...
-
-    def decode(
-        self, fid: FragmentId, data: bytes, shapes: list[torch.Size], signer: str
-    ) -> list[torch.Tensor]:
-        """Validate (signature by `signer`, header, shapes, finiteness) and decode; raise ProtocolError."""
-        ...
-
-    def restore(self, fid: FragmentId, unsent: list[torch.Tensor]) -> None:
-        """Our upload of `fid` did not land: keep `unsent` (what encode returned) for a later round."""
-        ...
-
-    def residual(self, fragment: int) -> list[torch.Tensor]:
-        """What the codec carries into `fragment`'s next encode, one tensor per parameter of the fragment
-        (SparseLoCo: its error feedback), for the round owner to confine; [] if nothing (yet)."""
-        ...
-
-    identity: Identity
-    """Signs our fragments and the round records we write."""
-
-    def state(self) -> dict[str, torch.Tensor]:
-        """What the codec carries between rounds (SparseLoCo: error feedback), for checkpoints."""
-        ...
-
-    def load_state(self, state: dict[str, torch.Tensor]) -> None:
-        """Restore `state()` (tensors on the CPU; the codec moves them where it works)."""
-        ...
-
-    @property
-    def signer(self) -> str:
-        """Peer id of the identity that signs our fragments."""
-        ...
-
-    @property
-    def max_fragment_bytes(self) -> int:
-        """The largest object a valid fragment can be: anything bigger at a fragment key is not fetched."""
-        ...
-
-
-@dataclass
-class SyncStats:
-    rounds_applied: int = 0
-    bytes_up: int = 0
-    bytes_down: int = 0
-    wait_s: float = 0.0
-    """Training time blocked waiting for transfers still in flight at apply time."""
-    rejected: int = 0
-    """Fragments that failed validation and were dropped."""
-    missing: int = 0
-    """Expected fragments that had not arrived by the deadline."""
-    not_uploaded: int = 0
-    """Our fragments that did not land (store error, or the key already held other bytes)."""
-    last_contributors: list[int] = field(default_factory=list)
-    bytes_records: int = 0
-    """Round records we wrote (a few hundred bytes per round and fragment; not in bytes_up)."""
-
-
-@dataclass
-class Exchanged:
-    contribs: dict[int, list[torch.Tensor]]
-    """Replica -> decoded contribution; for our slot, whatever every replica reads at our key."""
-    unsent: list[torch.Tensor] | None
-    """Our contribution when the round did not use it (handed back to the codec at apply time)."""
 
 
 TOO_LARGE = "too large"
@@ -165,9 +72,10 @@ class _Backoff:
 
 
 class RoundExchange:
-    """One stage's round agreement over the store, for one replica (`run` on the outer loop's I/O thread).
-    It knows who may sign each replica's slot (the node there now and the ones it replaced) and counts
-    bytes, rejections and misses in the outer loop's `stats` (under `lock`)."""
+    """One stage's round agreement over the store, for one replica (`run` on the outer loop's I/O thread):
+    the store all-to-all of node/sync/exchange.py's `Exchange`. Its `reader` knows who may sign each
+    replica's slot and reads the round's listing and record; bytes, rejections and misses are counted
+    in the outer loop's `stats` (under `lock`)."""
 
     def __init__(
         self,
@@ -184,8 +92,15 @@ class RoundExchange:
         lock: threading.Lock,
     ) -> None:
         self.store, self.codec, self.replica = store, codec, replica
-        self.stage_peers = dict(stage_peers)
-        self.former: dict[int, set[str]] = {r: set(v) for r, v in (former_stage_peers or {}).items()}
+        self.reader = RoundReader(
+            store,
+            replica=replica,
+            signer=codec.signer,
+            stage_peers=stage_peers,
+            former_stage_peers=former_stage_peers,
+            stats=stats,
+            lock=lock,
+        )
         self.timeout_s, self.poll_s, self.poll_max_s = timeout_s, poll_s, poll_max_s
         self.stats, self._lock = stats, lock
 
@@ -212,50 +127,8 @@ class RoundExchange:
     def set_stage_peers(
         self, stage_peers: dict[int, str], former: dict[int, set[str]] | None = None
     ) -> set[str]:
-        """The signers of this stage's slots changed (a replica was rebuilt with a new node, or dropped out
-        and is no longer waited for): the old signer of a slot stays known for the rounds it signed
-        (round records may list its fragments). Returns every signer now known for the stage."""
-        known = {r: set(v) for r, v in self.former.items()}
-        for r, old in self.stage_peers.items():
-            if stage_peers.get(r) != old:
-                known.setdefault(r, set()).add(old)
-        for r, peers in (former or {}).items():
-            known.setdefault(r, set()).update(peers)
-        self.former = known
-        self.stage_peers = dict(stage_peers)
-        return {*stage_peers.values(), *(p for ps in known.values() for p in ps)}
-
-    def signers(self, r: int) -> set[str]:
-        """Every signer whose fragments count for replica r's slot: its node now and the ones it replaced."""
-        now = self.codec.signer if r == self.replica else self.stage_peers.get(r)
-        return ({now} if now else set()) | self.former.get(r, set())
-
-    def slots(self) -> set[int]:
-        return set(self.stage_peers) | {self.replica}
-
-    def _listing(self, fid: FragmentId) -> dict[int, list[str]] | None:
-        """Fragment keys of this round per replica, keeping only those named by a signer of the replica's
-        slot (anything else under the round is not looked at), each signer's primary key first; None if
-        the LIST was not answered.
-
-        R2 bills a LIST as a class A operation (12.5x a GET), so the exchange polls the primary keys with
-        GETs and lists the round only where no GET can name what is there: once when it starts (what our
-        slot holds before we upload; a fragment at a hash-named key from before we got here, written by a
-        signer whose primary key was taken or, in a round a resumed run replays, by a build before
-        primary keys), and while a missing slot's primary key holds something that is not its signer's
-        fragment (the real one is then at a hash-named key)."""
-        prefix = keys.sync_prefix(fid.run_id, fid.stage, fid.fragment, fid.round)
-        try:
-            listed = self.store.list(prefix)
-        except StoreError as e:
-            log.warning("listing %s failed (polling the primary keys meanwhile): %s", prefix, e)
-            return None
-        found: dict[int, list[tuple[str, bool, str]]] = {}
-        for key in listed:
-            parsed = keys.parse_sync_key(prefix, key)
-            if parsed is not None and parsed[1] in self.signers(parsed[0]):
-                found.setdefault(parsed[0], []).append((parsed[1], parsed[2] is not None, key))
-        return {r: [key for *_, key in sorted(ks)] for r, ks in found.items()}
+        """The signers of this stage's slots changed: see `RoundReader.set_stage_peers`."""
+        return self.reader.set_stage_peers(stage_peers, former)
 
     def _primary(self, fid: FragmentId, r: int, signer: str) -> str:
         return keys.primary_fragment_key(fid.run_id, fid.stage, fid.fragment, fid.round, r, signer)
@@ -282,55 +155,6 @@ class RoundExchange:
             self.stats.rejected += 1
         log.warning("rejected an object under replica %d's slot of %s (%s): %s", r, fid, key, why)
 
-    def _read_record(self, fid: FragmentId, seen_bad: set[bytes]) -> tuple[RoundRecord | None, bool]:
-        """(the round's agreed record if one is there and valid, whether any object is at its key).
-        A record counts when a signer of this stage's slots signed it for exactly this round and every
-        entry names a signer of its slot; an invalid one is logged once and read as absent."""
-        key = keys.round_record_key(fid.run_id, fid.stage, fid.fragment, fid.round)
-        try:
-            blob = self.store.get(key, max_bytes=MAX_RECORD_BYTES)
-        except ObjectTooLarge as e:
-            self._reject_record(fid, str(e), seen_bad, b"too large")
-            return None, True
-        except StoreError as e:
-            log.debug("reading %s failed (retrying): %s", key, e)
-            return None, False
-        if blob is None:
-            return None, False
-        try:
-            signed = open_envelope(blob, RoundRecord)
-            rec = signed.body
-            if not any(signed.signer_id in self.signers(r) for r in self.slots()):
-                raise ProtocolError(f"signed by {signed.signer_id}, not a node of this stage")
-            if (rec.run_id, rec.stage, rec.fragment, rec.round) != (
-                fid.run_id,
-                fid.stage,
-                fid.fragment,
-                fid.round,
-            ):
-                raise ProtocolError("it is the record of another round")
-            for entry in rec.entries:
-                if entry.signer not in self.signers(entry.replica):
-                    raise ProtocolError(
-                        f"it lists a fragment of replica {entry.replica} signed by {entry.signer}"
-                    )
-        except (ProtocolError, ValueError) as e:  # ValueError: a bad signature
-            self._reject_record(fid, str(e), seen_bad, blob)
-            return None, True
-        return rec, True
-
-    def _reject_record(self, fid: FragmentId, why: str, seen_bad: set[bytes], blob: bytes) -> None:
-        if blob not in seen_bad:
-            seen_bad.add(blob)
-            with self._lock:
-                self.stats.rejected += 1
-            log.warning(
-                "round %d fragment %d: the object at the round record's key is not valid: %s",
-                fid.round,
-                fid.fragment,
-                why,
-            )
-
     def _settle(
         self, fid: FragmentId, used: dict[int, tuple[str, str]], seen_bad: set[bytes]
     ) -> RoundRecord | None:
@@ -356,7 +180,7 @@ class RoundExchange:
                     return ours
             except StoreError as e:
                 log.debug("writing the round record %s failed (retrying): %s", key, e)
-            rec, present = self._read_record(fid, seen_bad)
+            rec, present = self.reader.record(fid, seen_bad)
             if rec is not None:
                 return rec
             if time.monotonic() > deadline or present:
@@ -448,19 +272,22 @@ class RoundExchange:
         bad_records: set[bytes] = set()
         started = time.monotonic()
         deadline = started + self.timeout_s
-        expected = self.slots()  # a replica that drops out while we wait still missed this round
+        expected = self.reader.slots()  # a replica that drops out while we wait still missed this round
         backoff = _Backoff(self.poll_s, self.poll_max_s)
         listed = False
         rec: RoundRecord | None = None
         while True:
-            rec, _ = self._read_record(fid, bad_records)
+            rec, _ = self.reader.record(fid, bad_records)
             if rec is not None:
                 break
-            waiting = sorted(self.slots() - set(g.contribs))
+            waiting = sorted(self.reader.slots() - set(g.contribs))
             squatted = any(
-                self._primary(fid, r, sg) in g.bad for r in waiting if r != me for sg in self.signers(r)
+                self._primary(fid, r, sg) in g.bad
+                for r in waiting
+                if r != me
+                for sg in self.reader.signers(r)
             )
-            found = self._listing(fid) if not listed or squatted else None
+            found = self.reader.listing(fid) if not listed or squatted else None
             listed = listed or found is not None
             arrived = False
             for r in waiting:
@@ -468,12 +295,12 @@ class RoundExchange:
                     candidates = found.get(r, [])
                 else:  # our slot is not polled: we put ours there
                     candidates = (
-                        [] if r == me else [self._primary(fid, r, s) for s in sorted(self.signers(r))]
+                        [] if r == me else [self._primary(fid, r, s) for s in sorted(self.reader.signers(r))]
                     )
                 arrived |= self._take(fid, r, candidates, shapes, g, (own, own_digest))
                 if r == me and me not in g.contribs:
                     self._put_ours(fid, data, (own, own_digest), shapes, g)
-            if not self.slots() - set(g.contribs) or time.monotonic() > deadline:
+            if not self.reader.slots() - set(g.contribs) or time.monotonic() > deadline:
                 rec = self._settle(fid, g.used, bad_records)
                 break
             if arrived:
@@ -501,11 +328,11 @@ class RoundExchange:
                 fid,
                 why_not_ours,
             )
-        missing = (expected | self.slots()) - set(contribs) - {me}
+        missing = (expected | self.reader.slots()) - set(contribs) - {me}
         if missing:
             with self._lock:
                 self.stats.missing += len(missing)
-            gone = missing - self.slots()
+            gone = missing - self.reader.slots()
             log.warning(
                 "run %s stage %d round %d fragment %d: replicas %s did not arrive %s; aggregating %s",
                 fid.run_id,

@@ -11,8 +11,9 @@ the contribution exactly as every receiver decodes it, so all replicas aggregate
 `SparseLoCoCodec.decode` accepts a fragment only if it is signed by the replica expected at that store
 key and its header names this run, stage, fragment, round, replica, shapes and codec settings.
 
-`make_sync_parts(spec, identity)` turns a `RunSpec`'s [sync] section into what `OuterSync` takes:
-the codec (DiLoCo's dense one or SparseLoCo's), the aggregation and the outer momentum.
+`make_sync_parts(spec, identity)` turns a `RunSpec`'s [sync] section into what `OuterSync` takes besides
+the schedule (`SyncSpec.schedule()`): the codec (DiLoCo's dense one, or SparseLoCo's built from
+`SyncSpec.sparseloco()`), the aggregation (`SyncSpec.aggregation_settings()`) and the outer momentum.
 """
 
 from __future__ import annotations
@@ -23,7 +24,7 @@ from typing import NamedTuple
 
 import torch
 
-from node.sync.aggregation import AggregationConfig, aggregate
+from node.sync.aggregation import aggregate
 from node.sync.dense_sync import DenseCodec
 from node.sync.outer_sync import Aggregator, Encoding, FragmentCodec, FragmentId
 from protocol.codecs.sparseloco import SparseLoCoConfig, decompress, error_feedback_step
@@ -36,6 +37,7 @@ from protocol.codecs.sparseloco_format import (
 )
 from protocol.identity import Identity, SignatureError, public_key_of_peer_id
 from protocol.runspec import RunSpec
+from protocol.sync_settings import AggregationSettings
 
 log = logging.getLogger(__name__)
 
@@ -153,7 +155,7 @@ class SparseLoCoCodec(FragmentCodec):
         return decompress(cf)
 
 
-def make_aggregator(cfg: AggregationConfig) -> Aggregator:
+def make_aggregator(cfg: AggregationSettings) -> Aggregator:
     """`node.sync.aggregation.aggregate` as OuterSync's aggregator: Delta_bar tensors; rejections, and
     contributions scaled below half or with values clamped, are logged."""
 
@@ -196,22 +198,14 @@ def make_sync_parts(spec: RunSpec, identity: Identity) -> SyncParts:
     s = spec.sync
     codec: FragmentCodec
     if s.method == "sparseloco":
-        codec = SparseLoCoCodec(identity, SparseLoCoConfig(chunk=s.chunk, k=s.k, beta=s.beta))
+        codec = SparseLoCoCodec(identity, s.sparseloco())
     elif s.method == "diloco":
         codec = DenseCodec(identity)
     else:  # SyncSpec validates the method; this guards a spec built around that check
         raise ValueError(f"sync.method={s.method!r} must be 'diloco' or 'sparseloco'")
-    agg_cfg = AggregationConfig(
-        method=s.aggregation,
-        robust=s.robust,
-        max_norm_ratio=s.max_norm_ratio,
-        max_abs_ratio=s.max_abs_ratio,
-        min_agreement=s.min_agreement,
-        trim=s.trim,
-        max_abs=s.max_abs or None,  # 0 = no absolute bound
-        max_norm=s.max_norm or None,
+    return SyncParts(
+        codec=codec, aggregate=make_aggregator(s.aggregation_settings()), momentum=s.outer_momentum
     )
-    return SyncParts(codec=codec, aggregate=make_aggregator(agg_cfg), momentum=s.outer_momentum)
 
 
 __all__ = ["SparseLoCoCodec", "SyncParts", "make_aggregator", "make_sync_parts"]

@@ -104,8 +104,8 @@ class StageCheckpoints:
     def at_step(self, step: int, wait_s: float = 120.0) -> Checkpoint:
         """The checkpoint of the round that ends at `step` (the first stage chose it), from the first
         replica that has a valid one; waits for one still being written."""
-        a, sync = self.a, self.a.spec.sync
-        rnd = (step - sync.tau) // sync.H
+        a = self.a
+        rnd = a.spec.sync.schedule().round_at(step)
         deadline = time.monotonic() + wait_s
         while True:
             for replica in self.replicas():

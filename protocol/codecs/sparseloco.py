@@ -41,6 +41,8 @@ from functools import lru_cache
 import numpy as np
 import torch
 
+from protocol.codecs.fragment_errors import FragmentError
+
 Shape = tuple[int, ...]
 
 _SIGN_CLEAR = np.int32(0x7FFFFFFF)  # |x| of an IEEE float32, as int32: same order as the floats, NaN on top
@@ -414,10 +416,6 @@ def check_values(cf: CompressedFragment) -> None:
     `decoded_entries` and `protocol.codecs.sparseloco_device.decompress_to` call it before decoding."""
     problem = _value_problem(cf)
     if problem is not None:
-        from protocol.codecs.sparseloco_format import (
-            FragmentError,  # lazy: the wire format imports this module
-        )
-
         raise FragmentError(f"fragment tensor {problem[0]}: {problem[1]}")
 
 

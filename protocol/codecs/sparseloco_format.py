@@ -19,7 +19,8 @@ last bit of the long ones. For k = 64 of 4096 and uniformly placed indices, M = 
 476 index bits (measured; the entropy log2 C(4096, 64) is 471, 12-bit indices cost 768), plus 128 value
 bits and 8 scale bits: 612 bits, 214x fewer than dense fp32 (docs/benchmarks.md).
 
-Decoding checks everything and raises `FragmentError` (a `ProtocolError`) saying what was wrong.
+Decoding checks everything and raises `FragmentError` (a `ProtocolError`; protocol/codecs/fragment_errors.py)
+saying what was wrong.
 """
 
 from __future__ import annotations
@@ -35,9 +36,16 @@ from typing import TYPE_CHECKING, Any
 import msgpack
 import numpy as np
 
+from protocol.codecs.fragment_errors import (
+    FragmentError,
+    FragmentMismatch,
+    FragmentSignatureError,
+    FragmentVersionError,
+    UntrustedFragmentSigner,
+)
 from protocol.codecs.sparseloco import CompressedFragment, Layout, Shape, SparseLoCoConfig, layout
 from protocol.msgpack_limits import unpack_bounded
-from protocol.schema import ProtocolError, SchemaError, UntrustedSigner, VersionError, from_dict, to_dict
+from protocol.schema import SchemaError, from_dict, to_dict
 
 if TYPE_CHECKING:  # signing needs cryptography; pack/unpack and the Golomb coder do not
     from protocol.identity import Identity
@@ -59,26 +67,6 @@ _MAX_HEADER_VALUES = 32 + MAX_TENSORS * (1 + MAX_NDIM)
 """msgpack values in the largest valid header: 22 for its fields, 1 + ndim per tensor."""
 _MAX_HEADER_CONTAINERS = 8 + MAX_TENSORS
 """Arrays and maps in the largest valid header: the map, `shapes` and one list per tensor (3 levels)."""
-
-
-class FragmentError(ProtocolError):
-    """A SparseLoCo fragment is malformed, truncated, oversized, or not what was expected."""
-
-
-class FragmentVersionError(FragmentError, VersionError):
-    """The fragment uses a frame or codec version this build does not speak."""
-
-
-class FragmentSignatureError(FragmentError):
-    """The fragment's signature does not verify."""
-
-
-class UntrustedFragmentSigner(FragmentError, UntrustedSigner):
-    """The fragment is validly signed, but by a key not in the trusted set."""
-
-
-class FragmentMismatch(FragmentError):
-    """The fragment's header differs from what the receiver expected (run, stage, round, shapes...)."""
 
 
 @dataclass(kw_only=True, frozen=True)

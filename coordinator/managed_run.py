@@ -1,0 +1,67 @@
+"""A run this coordinator leads: what it placed, signed and saw (`ManagedRun`); and which nodes are free to
+place, those of no run it leads."""
+
+from __future__ import annotations
+
+from collections.abc import Iterable
+from dataclasses import dataclass, field
+
+from coordinator.lease import HeldLease
+from coordinator.placement import CostModel, Placement
+from protocol.messages import Assignment, NodeAdvert, RunRecord
+
+ACTIVE = ("pending", "running", "stopping")
+"""The states of a run that its coordinator still leads (holds the lease of, places, watches)."""
+
+
+@dataclass
+class ManagedRun:
+    record: RunRecord
+    lease: HeldLease
+    placement: Placement | None = None
+    assignments: dict[str, Assignment] = field(default_factory=dict)
+    epoch: int = 0
+    missing_since: dict[str, float] = field(default_factory=dict)
+    former: dict[tuple[int, int], list[str]] = field(default_factory=dict)
+    """(replica, stage) -> nodes that served the slot before churn replaced them, oldest first."""
+    failures: dict[str, list[tuple[int, str]]] = field(default_factory=dict)
+    """peer -> (epoch, reason) of each assignment of this run it reported failed, or was lost in."""
+    prediction: dict | None = None
+    """The planner's prediction for the placement (tokens/s, MFU, tax, $/Mtok), for the dashboard."""
+    cost: CostModel | None = None
+    """The cost model of `record.spec` (cached: the spec changes only when the split or k is fixed)."""
+    final_sample: bool = False
+    """Whether the dashboard's history took its sample of the ended run."""
+    dropped: set[int] = field(default_factory=set)
+    """Replicas that dropped out (lost a node, none free to rebuild): no longer in the survivors'
+    stage_peers, so their rounds stop waiting out the deadline for them."""
+    rebuild_note: str = ""
+    """Why the last rebuild could not be made: logged once per change, not on every tick."""
+
+    def dropped_out(self) -> set[int]:
+        """Replicas out of the run: told to the survivors (`dropped`), or lost with no node to rebuild them
+        (not told when the survivors had finished, but out all the same)."""
+        if self.placement is None:
+            return set()
+        lost = {p for p, t in self.missing_since.items() if t == -1.0}
+        return self.dropped | {r for (r, _), p in self.placement.slots.items() if p in lost}
+
+
+def busy_peers(runs: Iterable[ManagedRun]) -> set[str]:
+    """The nodes placed in an active run of `runs`."""
+    return {
+        p
+        for run in runs
+        if run.record.state in ACTIVE and run.placement
+        for p in run.placement.slots.values()
+    }
+
+
+def free_nodes(adverts: dict[str, NodeAdvert], runs: Iterable[ManagedRun]) -> list[NodeAdvert]:
+    """The nodes a placement may take: placed in no active run of `runs`, and advertising idle, done or
+    failed (at work on no run)."""
+    busy = busy_peers(runs)
+    return [a for a in adverts.values() if a.peer_id not in busy and a.state in ("idle", "done", "failed")]
+
+
+__all__ = ["ACTIVE", "ManagedRun", "busy_peers", "free_nodes"]

@@ -1,0 +1,159 @@
+"""Watching a placed run through its nodes' adverts: done when every slot is done or gone; a replica that
+lost a node is rebuilt, or drops out while the others go on; failed when every replica is lost; a stopping
+run is stopped once no node trains for it."""
+
+from __future__ import annotations
+
+import logging
+import time
+
+from coordinator.managed_run import ManagedRun
+from coordinator.run_placer import RunPlacer
+from coordinator.run_publisher import RunPublisher
+from coordinator.run_views import dropped_out_reason
+from protocol.messages import NodeAdvert
+from protocol.net.dht_client import dht_time
+
+log = logging.getLogger("coordinator.service")  # the coordinator's lines, under the one name they had
+MAX_REBUILDS_AFTER_FAILURE = 1
+"""A replica whose node reports failed is restarted this many times; then it drops out (a bad data path
+fails the same way every time)."""
+
+
+def note_failure(run: ManagedRun, peer: str, reason: str) -> None:
+    """Count a node's failure once per epoch (status and the run's reason quote it)."""
+    seen = run.failures.setdefault(peer, [])
+    if not seen or seen[-1][0] != run.epoch:
+        seen.append((run.epoch, reason))
+
+
+def dropped_summary(run: ManagedRun) -> str:
+    """The replicas out of the run and why (the last reason each of their nodes gave); empty if none."""
+    pl = run.placement
+    why: dict[int, list[str]] = {}
+    for r in sorted(run.dropped_out()):
+        for s in range(run.record.spec.stages):
+            peer = pl.slots.get((r, s)) if pl else None
+            if peer and run.failures.get(peer):
+                why.setdefault(r, []).append(f"node {peer[-8:]}: {run.failures[peer][-1][1]}")
+        why.setdefault(r, [])
+    return dropped_out_reason({r: "; ".join(w) for r, w in why.items()})
+
+
+def failure_summary(run: ManagedRun) -> str:
+    """Every replica lost: the distinct reasons the nodes gave, the most frequent first."""
+    counts: dict[str, int] = {}
+    for seen in run.failures.values():
+        for _, reason in seen:
+            counts[reason] = counts.get(reason, 0) + 1
+    ranked = sorted(counts, key=lambda r: -counts[r])
+    return "every replica lost a node: " + "; ".join(ranked) if ranked else "every replica lost a node"
+
+
+class RunWatch:
+    """Watches runs, rebuilding through `placer` and saying what happened through `publisher`; a node's
+    advert missing for churn_grace_s (or its failure standing that long) breaks its slot."""
+
+    def __init__(self, placer: RunPlacer, publisher: RunPublisher, *, churn_grace_s: float) -> None:
+        self.placer, self.publisher, self.churn_grace_s = placer, publisher, churn_grace_s
+
+    def watch(self, run: ManagedRun, adverts: dict[str, NodeAdvert]) -> None:
+        """Mark the run done when every slot is done or gone; rebuild replicas that lost a node.
+
+        A slot is broken when its node's advert has been missing for churn_grace_s, or the node reports
+        `failed` on the current epoch (e.g. its neighbour crashed and the link broke). A broken replica is
+        rebuilt with free nodes (re-placing only its holes) and resumes from the latest consensus
+        checkpoint; the other replicas keep training and only learn the new signer (no restart). Without
+        free nodes the replica drops out and the others continue."""
+        spec, pl = run.record.spec, run.placement
+        assert pl is not None
+        now, dnow = time.monotonic(), dht_time()
+        done, gone, failed, stale = 0, set(), set(), set()
+        for peer in pl.slots.values():
+            a = adverts.get(peer)
+            if a is not None and dnow - a.timestamp > self.churn_grace_s:
+                stale.add(peer)  # maybe dead: wait until it is gone before rebuilding around it
+            # adverts refresh every 5 s; a DHT read may return a copy a few refreshes old, hence 2x grace
+            if a is None or dnow - a.timestamp > 2 * self.churn_grace_s:
+                gone.add(peer)
+                continue
+            if a.run_id == spec.run_id and a.epoch == run.epoch and a.state == "done":
+                done += 1
+            elif a.run_id == spec.run_id and a.epoch == run.epoch and a.state == "failed":
+                # wait out the grace period: the failure may be a neighbour that is about to count as gone
+                if peer not in run.missing_since:
+                    log.warning(
+                        "run %s: node %s failed: %s", spec.run_id, peer[-8:], a.error or "no reason given"
+                    )
+                    note_failure(run, peer, a.error or "no reason given")
+                if now - run.missing_since.setdefault(peer, now) > self.churn_grace_s:
+                    failed.add(peer)
+        for peer in gone:
+            note_failure(run, peer, "its node stopped advertising (process or host down)")
+        stale_replicas = {r for (r, s), p in pl.slots.items() if p in stale}
+        broken = {
+            r for (r, s), p in pl.slots.items() if p in gone or (p in failed and r not in stale_replicas)
+        }
+        # a replica that failed again after one rebuild fails for a reason a rebuild does not fix (its
+        # data path, its spec): it drops out instead of being restarted forever
+        hopeless = {
+            r
+            for (r, s), p in pl.slots.items()
+            if r in broken and p in failed and len(run.failures.get(p, [])) > MAX_REBUILDS_AFTER_FAILURE
+        }
+        for peer in {p for (r, s), p in pl.slots.items() if r in hopeless} & (gone | failed):
+            run.missing_since[peer] = -1.0
+        broken -= hopeless
+        if broken and not self.placer.rebuild(run, adverts, gone, broken):
+            for peer in gone | failed:
+                if run.missing_since.get(peer) != -1.0:
+                    log.warning(
+                        "run %s: node %s is lost and no free node can replace it; its replica drops "
+                        "out, the others continue",
+                        spec.run_id,
+                        peer[-8:],
+                    )
+                run.missing_since[peer] = -1.0
+        lost = {p for p, t in run.missing_since.items() if t == -1.0}
+        self._drop_out(run, adverts, {r for (r, s), p in pl.slots.items() if p in lost})
+        self.publisher.set_reason(run, dropped_summary(run))
+        if done and done + len(lost & set(pl.slots.values())) >= len(pl.slots):
+            self.publisher.set_state(run, "done", reason=dropped_summary(run))
+        elif not done and {r for (r, s), p in pl.slots.items() if p in lost} >= {r for r, s in pl.slots}:
+            self.publisher.set_state(run, "failed", reason=failure_summary(run))
+
+    def _drop_out(self, run: ManagedRun, adverts: dict[str, NodeAdvert], dropped: set[int]) -> None:
+        """Tell the surviving replicas' nodes that `dropped` replicas are gone (a new epoch whose
+        stage_peers leave them out; the workers keep training): otherwise every later round of theirs
+        waits sync.timeout_s for fragments that will never come. Skipped once a survivor is done (a new
+        assignment would start its finished slot again) or while a survivor's advert is missing."""
+        pl = run.placement
+        assert pl is not None
+        if dropped <= run.dropped:
+            return
+        survivors = {slot for slot in pl.slots if slot[0] not in dropped}
+        ads = [adverts.get(pl.slots[slot]) for slot in survivors]
+        if not survivors or any(a is None or a.state != "training" for a in ads):
+            return
+        run.dropped = set(dropped)
+        run.epoch += 1
+        log.info(
+            "run %s: replica(s) %s dropped out; replicas %s go on without waiting for them (epoch %d)",
+            run.record.spec.run_id,
+            sorted(dropped),
+            sorted({r for r, _ in survivors}),
+            run.epoch,
+        )
+        self.publisher.assign(run, adverts, survivors)
+
+    def watch_stop(self, run: ManagedRun, adverts: dict[str, NodeAdvert]) -> None:
+        """A stopping run is stopped once none of its nodes trains for it any more."""
+        pl = run.placement
+        if pl is None or all(
+            (a := adverts.get(p)) is None or a.run_id != run.record.spec.run_id or a.state != "training"
+            for p in pl.slots.values()
+        ):
+            self.publisher.set_state(run, "stopped")
+
+
+__all__ = ["MAX_REBUILDS_AFTER_FAILURE", "RunWatch", "dropped_summary", "failure_summary", "note_failure"]

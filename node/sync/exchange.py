@@ -1,0 +1,152 @@
+"""What the outer loop and a round exchange share: the round's key, the codec, what a round applies, and
+the interface the outer loop (node/sync/outer_sync.py) holds an exchange by.
+
+The outer loop keeps the schedule, the anchor and the apply; an exchange moves one (stage, fragment,
+round)'s contributions between the replicas and says which set every replica applies. The store's
+all-to-all with a write-once round record is node/sync/round_exchange.py `RoundExchange`.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from typing import Protocol
+
+import torch
+
+from protocol.identity import Identity
+
+
+class RoundAgreementError(RuntimeError):
+    """The round's agreed set cannot be applied here (a listed fragment stayed out of reach)."""
+
+
+@dataclass(frozen=True)
+class FragmentId:
+    run_id: str
+    stage: int
+    fragment: int
+    round: int
+    replica: int
+
+
+Encoding = Callable[[], tuple[bytes, list[torch.Tensor]]]
+"""The host half of an encode: () -> (signed wire bytes, the contribution exactly as receivers decode it,
+as float32 CPU tensors). OuterSync runs it on its I/O thread, so entropy coding and signing overlap training."""
+
+
+class FragmentCodec(Protocol):
+    """Turns a fragment's pseudo-gradient into signed wire bytes and back."""
+
+    def encode(self, fid: FragmentId, delta: list[torch.Tensor]) -> Encoding:
+        """Run what must happen before training moves on (e.g. error feedback, on delta's device) and
+        return the rest as an `Encoding` for the I/O thread."""
+        ...
+
+    def decode(
+        self, fid: FragmentId, data: bytes, shapes: list[torch.Size], signer: str
+    ) -> list[torch.Tensor]:
+        """Validate (signature by `signer`, header, shapes, finiteness) and decode; raise ProtocolError."""
+        ...
+
+    def restore(self, fid: FragmentId, unsent: list[torch.Tensor]) -> None:
+        """Our upload of `fid` did not land: keep `unsent` (what encode returned) for a later round."""
+        ...
+
+    def residual(self, fragment: int) -> list[torch.Tensor]:
+        """What the codec carries into `fragment`'s next encode, one tensor per parameter of the fragment
+        (SparseLoCo: its error feedback), for the round owner to confine; [] if nothing (yet)."""
+        ...
+
+    identity: Identity
+    """Signs our fragments and the round records we write."""
+
+    def state(self) -> dict[str, torch.Tensor]:
+        """What the codec carries between rounds (SparseLoCo: error feedback), for checkpoints."""
+        ...
+
+    def load_state(self, state: dict[str, torch.Tensor]) -> None:
+        """Restore `state()` (tensors on the CPU; the codec moves them where it works)."""
+        ...
+
+    @property
+    def signer(self) -> str:
+        """Peer id of the identity that signs our fragments."""
+        ...
+
+    @property
+    def max_fragment_bytes(self) -> int:
+        """The largest object a valid fragment can be: anything bigger at a fragment key is not fetched."""
+        ...
+
+
+@dataclass
+class SyncStats:
+    rounds_applied: int = 0
+    bytes_up: int = 0
+    bytes_down: int = 0
+    wait_s: float = 0.0
+    """Training time blocked waiting for transfers still in flight at apply time."""
+    rejected: int = 0
+    """Fragments that failed validation and were dropped."""
+    missing: int = 0
+    """Expected fragments that had not arrived by the deadline."""
+    not_uploaded: int = 0
+    """Our fragments that did not land (store error, or the key already held other bytes)."""
+    last_contributors: list[int] = field(default_factory=list)
+    bytes_records: int = 0
+    """Round records we wrote (a few hundred bytes per round and fragment; not in bytes_up)."""
+
+
+@dataclass
+class Exchanged:
+    """What one round applies, the same on every replica."""
+
+    contribs: dict[int, list[torch.Tensor]]
+    """Replica -> decoded contribution; for our slot, whatever every replica reads at our key."""
+    unsent: list[torch.Tensor] | None
+    """Our contribution when the round did not use it (handed back to the codec at apply time)."""
+
+
+class Exchange(Protocol):
+    """One replica's side of one stage's round exchange, as the outer loop holds it. The outer loop calls
+    `run` on its I/O thread once per captured (fragment, round) and applies what it returns:
+
+        puts       `encoding`: our contribution to `fid`'s round, signed bytes and their decode
+        waits for  the other slots' contributions to the same (stage, fragment, round), of `shapes`
+        returns    `Exchanged`: the set every replica applies, and ours back if it is not in it
+
+    Seams for the exchanges that come next, each written beside `RoundExchange` (the store all-to-all)
+    with the outer loop's schedule, anchor and apply left as they are:
+    - the rule that decides the agreed set: `RoundExchange`'s is "first writer wins" (its write-once round
+      record); another rule decides `Exchanged.contribs` its own way, and replicas apply whatever it says;
+    - late entries and per-contribution token counts: they belong with the set in `Exchanged` (keyed by
+      replica, as `contribs` is), for the aggregator to weigh; nothing produces them yet;
+    - fragments keyed by layer groups rather than stages: `FragmentId` is the only key an exchange names
+      its objects by (store keys, signed headers); the outer loop builds it and reads back only `fragment`;
+    - a pairwise exchange: another implementation of this interface, with the signers of the stage's
+      slots as `set_stage_peers` gives them.
+    """
+
+    def run(self, fid: FragmentId, encoding: Encoding, shapes: list[torch.Size]) -> Exchanged:
+        """Put ours, wait for the others' until every slot is in or the deadline, return the agreed set;
+        raise RoundAgreementError if this replica cannot apply it."""
+        ...
+
+    def set_stage_peers(
+        self, stage_peers: dict[int, str], former: dict[int, set[str]] | None = None
+    ) -> set[str]:
+        """The signers of the stage's slots changed (`former`: the nodes a slot had earlier in the run,
+        still signers of the rounds they took part in). Returns every signer now known for the stage."""
+        ...
+
+
+__all__ = [
+    "Encoding",
+    "Exchange",
+    "Exchanged",
+    "FragmentCodec",
+    "FragmentId",
+    "RoundAgreementError",
+    "SyncStats",
+]

@@ -1,0 +1,116 @@
+"""What a `crucible-coordinator serve` process is configured with, declared once (protocol/process/settings.py).
+
+The coordinator CLI derives the command's flags from these declarations and parses its command line into a
+`ServeConfig`; a coordinator-eligible node builds one from its own settings and starts its coordinator child
+from it (`to_argv`, secrets by `to_env`). It lives in protocol/ because both sides use it and node/ never
+imports coordinator/. The operator's own key (--operator-key-file) and the log flags are the CLI's, shared
+by every command: a node's coordinator signs with the node's key under a certificate, never with that one.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from protocol.process.cli_errors import EXAMPLE_MULTIADDR, EXAMPLE_PEER_ID
+from protocol.process.settings import (
+    check_fields,
+    ipv4,
+    matching,
+    multiaddr,
+    optional,
+    peer_id,
+    positive,
+    setting,
+    url,
+)
+
+BUCKET_PATTERN = r"[a-z0-9][a-z0-9.-]{1,61}[a-z0-9]"
+"""S3 bucket names (as MinIO and R2 apply them too): 3-63 lowercase letters, digits, dots and dashes."""
+STORE_FLAGS = ("store_endpoint", "store_bucket", "store_access_key", "store_secret_key")
+"""The store's settings, which other coordinator commands take too."""
+
+
+@dataclass(kw_only=True, frozen=True)
+class ServeConfig:
+    """A coordinator process: the swarm it joins, the store it keeps runs' leases and checkpoints in, the key
+    it signs with and its timers. Signing with its own key under a certificate needs key_file, certificate and
+    operator_key together (the coordinator CLI checks that, with the operator key file it may sign with)."""
+
+    bootstrap: list[str] = setting(
+        [],
+        "multiaddr of a swarm peer, repeatable",
+        example=EXAMPLE_MULTIADDR,
+        metavar="MULTIADDR",
+        required=True,
+        check=multiaddr,
+    )
+    host: str = setting(
+        "127.0.0.1", "IPv4 address for this process's DHT peer", example="0.0.0.0", check=ipv4
+    )
+    store_endpoint: str = setting(
+        "",
+        "S3-compatible endpoint URL, e.g. https://ACCOUNT.r2.cloudflarestorage.com",
+        example="http://127.0.0.1:9000",
+        metavar="URL",
+        required=True,
+        check=url,
+    )
+    store_bucket: str = setting(
+        "crucible",
+        "bucket",
+        check=matching(BUCKET_PATTERN, "not a bucket name (3-63 lowercase letters, digits, dots or dashes)"),
+    )
+    store_access_key: str = setting("", "access key id", shown="boto3's chain", env="AWS_ACCESS_KEY_ID")
+    store_secret_key: str = setting("", "secret key", shown="boto3's chain", env="AWS_SECRET_ACCESS_KEY")
+    lease_s: float = setting(
+        15.0,
+        "run lease duration, renewed every tick; another coordinator takes a lapsed one over",
+        metavar="SECONDS",
+        check=positive,
+    )
+    churn_grace_s: float = setting(
+        10.0,
+        "how long an assigned node may be silent before it counts as gone",
+        metavar="SECONDS",
+        check=positive,
+    )
+    key_file: str = setting(
+        "",
+        "sign with this key (a node's key file, never created) under --certificate, instead of the operator's "
+        "key: the operator key need not be on this host",
+        example="~/.crucible/node.key",
+        metavar="PATH",
+        shown="none: the operator's key",
+    )
+    certificate: str = setting(
+        "",
+        "the certificate `crucible-coordinator certify` issued for --key-file's peer id; checked at start "
+        "(missing, expired, for another key or not signed by --operator-key: one line, exit 2)",
+        example="coordinator.cert",
+        metavar="PATH",
+    )
+    operator_key: str = setting(
+        "",
+        "with --certificate: peer id (12D3KooW...) of the operator whose runs this coordinator serves (the "
+        "--operator-key its nodes trust)",
+        example=EXAMPLE_PEER_ID,
+        metavar="PEER_ID",
+        check=optional(peer_id),
+    )
+    http_host: str = setting(
+        "127.0.0.1",
+        "address the dashboard and /metrics listen on (0.0.0.0 for every interface)",
+        example="0.0.0.0",
+        metavar="ADDR",
+    )
+    http_port: int = setting(
+        0,
+        "port of the dashboard (/), its API (/api/runs) and Prometheus /metrics; the URL is printed and "
+        "published in each run's record for `status`",
+        example=8080,
+        metavar="PORT",
+        shown="0: any free port",
+    )
+
+    def __post_init__(self) -> None:
+        check_fields(self)

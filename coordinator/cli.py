@@ -51,7 +51,7 @@ from protocol.process.cli_errors import (
     run_cli,
 )
 from protocol.process.logs import add_log_args, json_line, setup_logging, version
-from protocol.process.serve_config import STORE_FLAGS, ServeConfig
+from protocol.process.serve_config import STORE_FLAGS, ServeConfig, store_of
 from protocol.process.settings import SettingValues, add_flags, from_args, settings_of
 from protocol.process.signals import install_stop_signals
 from protocol.runspec import check_run_id, load_run_spec
@@ -335,16 +335,9 @@ def check_args(args: argparse.Namespace) -> None:
 
 # ---------------------------------------------------------------------------------------- commands
 def _store(args: argparse.Namespace) -> ObjectStore:
-    from protocol.net.store import ObjectStore, StoreConfig
+    from protocol.net.store import ObjectStore
 
-    return ObjectStore(
-        StoreConfig(
-            endpoint_url=args.store_endpoint,
-            bucket=args.store_bucket,
-            access_key=args.store_access_key,
-            secret_key=args.store_secret_key,
-        )
-    )
+    return ObjectStore(store_of(args))
 
 
 def _dht(args: argparse.Namespace, identity: Identity | None = None, *, client: bool = True) -> DHTClient:

@@ -4,12 +4,12 @@ crucible-node bootstrap                       start the first DHT peer of a new 
 crucible-node join --bootstrap MULTIADDR ...  join a swarm, advertise, train whatever stage is assigned
 crucible-node identity                        print this host's peer id (creating its key if needed)
 
-Every setting is declared once, in node/config.py: the flags, the config file's keys, --help and the checks
-come from there. Every input is checked before torch and hivemind are imported (they take seconds) and before anything
-starts; `join` then checks this host (key file, ports, device), then the store (required: every stage syncs
-through it) and the bootstrap peer (node/preflight.py). A mistake ends with one line that names the flag or
-config key, the value, what is wrong and an example, and exit code 2 (protocol/process/cli_errors.py); `--debug`
-shows the traceback instead.
+Every setting is declared once, in node/config.py (the store's in protocol/net/store_config.py): the flags,
+the config file's keys, --help and the checks come from there. Every input is checked before torch and
+hivemind are imported (they take seconds) and before anything starts; `join` then checks this host (key file,
+ports, device), then the store (required: every stage syncs through it) and the bootstrap peer
+(node/preflight.py). A mistake ends with one line that names the flag or config key, the value, what is wrong
+and an example, and exit code 2 (protocol/process/cli_errors.py); `--debug` shows the traceback instead.
 """
 
 from __future__ import annotations
@@ -23,6 +23,7 @@ from typing import IO, Any
 
 from node.config import NODE_KEY, SETTINGS, NodeConfig
 from protocol.identity import Identity, SignatureError
+from protocol.net.store_config import StoreConfig
 from protocol.process.cli_errors import (
     EXAMPLE_MULTIADDR,
     EXAMPLE_PEER_ID,
@@ -149,8 +150,6 @@ def join_settings(args: argparse.Namespace) -> SettingValues:
 def node_config(st: SettingValues) -> NodeConfig:
     """The daemon's config from the settings given (the rest: NodeConfig's defaults); a rule that spans
     several settings (an eligible node's certificate) is refused as a UsageError."""
-    from protocol.net.store import StoreConfig  # boto3: only once the settings are known to be right
-
     store = st.section("store")
     try:
         return NodeConfig(**st.section("node"), store=StoreConfig(**store) if store else None)

@@ -1,38 +1,35 @@
 """A node's settings, each declared once (protocol/process/settings.py): `crucible-node join`'s flags, the
 keys of its config file's [node] and [store] sections, its --help and its errors all come from here.
 
-[node] is `NodeConfig`; [store] is protocol/net/store.py's `StoreConfig`, whose settings are declared
-beside it here (`STORE_SETTINGS`). Nothing here imports torch, hivemind or boto3: the CLI checks every value
-with these declarations before anything heavy is imported.
+[node] is `NodeConfig`; [store] is protocol/net/store_config.py's `StoreConfig`, whose fields declare the
+store's settings for the coordinator's commands too. Nothing here imports torch, hivemind or boto3: the CLI
+checks every value with these declarations before anything heavy is imported.
 """
 
 from __future__ import annotations
 
 import re
 from dataclasses import dataclass
-from typing import TYPE_CHECKING
 
 from protocol.messages import MAX_MBPS, MAX_PRICE_PER_HOUR, MAX_PROBE_BYTES, MAX_RTT_MS
-from protocol.process.cli_errors import EXAMPLE_MULTIADDR, EXAMPLE_PEER_ID
+from protocol.net.store_config import StoreConfig
+from protocol.process.cli_errors import EXAMPLE_PEER_ID
 from protocol.process.logs import LOG_FORMATS, LOG_LEVELS
 from protocol.process.settings import (
+    BOOTSTRAP,
     Setting,
     a_folder,
     check_fields,
     in_range,
-    multiaddr,
     not_empty,
     one_of,
     optional,
     peer_id,
     setting,
+    setting_field,
     settings_of,
     tcp_port,
-    url,
 )
-
-if TYPE_CHECKING:  # boto3 takes a second to import: the CLI builds a StoreConfig only once a store is given
-    from protocol.net.store import StoreConfig
 
 NODE_KEY = "~/.crucible/node.key"
 """A joining node's default identity."""
@@ -57,17 +54,9 @@ def _device(value: str) -> str | None:
 @dataclass(kw_only=True, frozen=True)
 class NodeConfig:
     """How a node joins the swarm and what it offers: the [node] section of `crucible-node join --config`
-    and its flags, and the store. Built in code or by `node.cli.node_config` from what a user gave (not by
-    protocol.schema.from_dict: `store`'s type is imported here for the type checker only)."""
+    and its flags, and the store ([store]). Built in code or by `node.cli.node_config` from what a user gave."""
 
-    bootstrap: list[str] = setting(
-        [],
-        "multiaddr of a swarm peer, repeatable",
-        example=EXAMPLE_MULTIADDR,
-        metavar="MULTIADDR",
-        required=True,
-        check=multiaddr,
-    )
+    bootstrap: list[str] = setting_field(BOOTSTRAP)
     """DHT peers to join through; empty starts a new swarm (`crucible-node join` requires one)."""
     host: str = setting(
         "127.0.0.1", "address to listen on: 0.0.0.0 on a public host", example="0.0.0.0", check=not_empty
@@ -227,7 +216,7 @@ class NodeConfig:
         check=in_range(0.01, 3600, "seconds"),
     )
     store: StoreConfig | None = None
-    """The object store the run synchronises through ([store], `STORE_SETTINGS`)."""
+    """The object store the run synchronises through ([store]: StoreConfig's settings)."""
 
     def __post_init__(self) -> None:
         check_fields(self)
@@ -243,53 +232,5 @@ class NodeConfig:
             )
 
 
-STORE_SETTINGS: tuple[Setting, ...] = (
-    Setting(
-        key="endpoint_url",
-        default="",
-        help="S3-compatible endpoint URL the runs sync through; checked at start: it must answer and take a write",
-        example="https://ACCOUNT.r2.cloudflarestorage.com",
-        flag="--store-endpoint",
-        metavar="URL",
-        check=url,
-        required=True,
-        section="store",
-    ),
-    Setting(
-        key="bucket",
-        default="crucible",
-        help="bucket name",
-        flag="--store-bucket",
-        check=not_empty,
-        section="store",
-    ),
-    Setting(
-        key="access_key",
-        default="",
-        help="access key id",
-        example="AKIA...",
-        flag="--store-access-key",
-        shown="$AWS_ACCESS_KEY_ID",
-        section="store",
-    ),
-    Setting(
-        key="secret_key",
-        default="",
-        help="secret key",
-        example="wJalr...",
-        flag="--store-secret-key",
-        shown="$AWS_SECRET_ACCESS_KEY",
-        section="store",
-    ),
-    Setting(
-        key="region",
-        default="auto",
-        help="region name (R2 takes auto)",
-        flag=None,
-        check=not_empty,
-        section="store",
-    ),
-)
-"""The [store] section: protocol/net/store.py's StoreConfig, field for field."""
-SETTINGS: tuple[Setting, ...] = settings_of(NodeConfig, "node") + STORE_SETTINGS
-"""Every `join` setting: [node] (NodeConfig), then [store]."""
+SETTINGS: tuple[Setting, ...] = settings_of(NodeConfig, "node") + settings_of(StoreConfig, "store")
+"""Every `join` setting: [node] (NodeConfig), then [store] (StoreConfig)."""

@@ -25,7 +25,7 @@ import time
 from pathlib import Path
 
 from node.config import NodeConfig
-from protocol.process.serve_config import ServeConfig
+from protocol.process.serve_config import ServeConfig, store_fields
 from protocol.process.settings import to_argv, to_env
 from protocol.process.signals import die_with_parent
 
@@ -44,10 +44,7 @@ def role_config(cfg: NodeConfig, bootstrap: list[str]) -> ServeConfig:
     return ServeConfig(
         bootstrap=bootstrap,
         host=cfg.host,
-        store_endpoint=store.endpoint_url,
-        store_bucket=store.bucket,
-        store_access_key=store.access_key,
-        store_secret_key=store.secret_key,
+        **store_fields(store),
         key_file=str(Path(cfg.key_file).expanduser()),
         certificate=cfg.coordinator_certificate,
         operator_key=cfg.operator_key,

@@ -162,7 +162,7 @@ def test_bad_store_endpoint(home: Path) -> None:
         crucible(home, "launch", RUN_TOML, *BOOT, "--store-endpoint", "not-a-url"),
         "--store-endpoint",
         "'not-a-url'",
-        "example: --store-endpoint http://",
+        "example: --store-endpoint https://ACCOUNT.r2.cloudflarestorage.com",
     )
 
 

@@ -273,7 +273,7 @@ def test_a_data_root_that_is_no_folder_is_refused_by_its_flag(tmp_path: Path) ->
 
     base = ["join", "--bootstrap", EXAMPLE_MULTIADDR, "--operator-key", EXAMPLE_PEER_ID]
     base += ["--store-endpoint", "http://127.0.0.1:9000"]
-    with pytest.raises(UsageError, match="--data-root .*is not a folder"):
+    with pytest.raises(UsageError, match="--data-root .*: not a folder"):
         join_settings(build_parser().parse_args([*base, "--data-root", str(tmp_path / "missing")]))
     assert join_settings(build_parser().parse_args([*base, "--data-root", str(tmp_path)])).get(
         "node", "data_root"

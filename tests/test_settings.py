@@ -12,10 +12,11 @@ from pathlib import Path
 import pytest
 
 from node.cli import SETTINGS, build_parser, join_settings, node_config
-from node.config import STORE_SETTINGS, NodeConfig
+from node.config import NodeConfig
+from protocol.net.store_config import StoreConfig
 from protocol.process.cli_errors import EXAMPLE_MULTIADDR, EXAMPLE_PEER_ID, UsageError
-from protocol.process.serve_config import ServeConfig
-from protocol.process.settings import Setting, settings_of, to_argv, to_env
+from protocol.process.serve_config import STORE_FIELDS, ServeConfig, store_fields, store_of
+from protocol.process.settings import BOOTSTRAP, Setting, settings_of, to_argv, to_env
 
 JOIN = ["join", "--bootstrap", EXAMPLE_MULTIADDR, "--operator-key", EXAMPLE_PEER_ID]
 JOIN += ["--store-endpoint", "http://127.0.0.1:9000"]
@@ -60,20 +61,46 @@ def test_every_node_setting_has_its_key_flag_help_and_a_right_default(s: Setting
 
 
 def test_the_node_s_table_is_nodeconfig_and_storeconfig_field_for_field() -> None:
-    from protocol.net.store import StoreConfig
-
-    hints = typing.get_type_hints(NodeConfig, localns={"StoreConfig": StoreConfig})
+    hints = typing.get_type_hints(NodeConfig)
     kinds = {list[str]: list, str: str, int: int, float: float, bool: bool}
-    node = settings_of(NodeConfig, "node")
+    node, store = settings_of(NodeConfig, "node"), settings_of(StoreConfig, "store")
+    assert SETTINGS == node + store
     assert {s.key for s in node} == {f.name for f in dataclasses.fields(NodeConfig)} - {"store"}
+    assert [s.key for s in store] == [f.name for f in dataclasses.fields(StoreConfig)]
     for s in node:  # a declaration's kind (its default's type) is the field's annotation
         assert kinds[hints[s.key]] is s.kind, s.key
-    store_fields = {f.name: f for f in dataclasses.fields(StoreConfig)}
-    assert [s.key for s in STORE_SETTINGS] == list(store_fields)
-    for s in STORE_SETTINGS:
-        f = store_fields[s.key]
-        assert s.required == (f.default is dataclasses.MISSING), s.key
-        assert s.required or f.default == s.default, s.key
+    for s in store:
+        assert typing.get_type_hints(StoreConfig)[s.key] is s.kind, s.key
+
+
+def test_the_store_and_the_swarm_are_declared_once_for_the_node_and_serve() -> None:
+    """serve's store_* settings are StoreConfig's (the same flags, help and checks as join's), named after
+    their flags; both roles' bootstrap is BOOTSTRAP."""
+    serve = {s.key: s for s in settings_of(ServeConfig)}
+    store = {s.key: s for s in settings_of(StoreConfig)}
+    assert STORE_FIELDS == {
+        "store_endpoint": "endpoint_url",
+        "store_bucket": "bucket",
+        "store_access_key": "access_key",
+        "store_secret_key": "secret_key",
+    }
+    for name, key in STORE_FIELDS.items():
+        assert dataclasses.replace(serve[name], key=key) == store[key], name
+        assert store[key].option == f"--{name.replace('_', '-')}"
+    assert store["region"].option is None  # config file only: serve takes the default
+    node = {s.key: s for s in settings_of(NodeConfig)}
+    assert node["bootstrap"] == serve["bootstrap"] == BOOTSTRAP
+    cfg = StoreConfig(endpoint_url="http://127.0.0.1:9000", bucket="b1x", access_key="k", secret_key="s")
+    assert store_of(ServeConfig(bootstrap=[EXAMPLE_MULTIADDR], **store_fields(cfg))) == cfg
+
+
+def test_the_bucket_rule_is_the_same_for_join_serve_and_storeconfig() -> None:
+    with pytest.raises(UsageError, match=r"^--store-bucket 'No_Bucket': not a bucket name \(3-63 "):
+        join_settings(build_parser().parse_args([*JOIN, "--store-bucket", "No_Bucket"]))
+    with pytest.raises(UsageError, match=r"^--store-bucket 'No_Bucket': not a bucket name \(3-63 "):
+        _serve_args(["--bootstrap", EXAMPLE_MULTIADDR, *JOIN[-2:], "--store-bucket", "No_Bucket"])
+    with pytest.raises(ValueError, match="^bucket 'No_Bucket' not a bucket name .*example: --store-bucket"):
+        StoreConfig(endpoint_url="http://127.0.0.1:9000", bucket="No_Bucket")
 
 
 @pytest.mark.parametrize(
@@ -167,7 +194,6 @@ def test_an_eligible_node_s_coordinator_role_is_its_own_settings(tmp_path: Path)
     """What the daemon used to spell out as flags: the node's swarm, host, store, key, certificate,
     operator and timers; its store keys by environment."""
     from node.coordinator_child import role_config
-    from protocol.net.store import StoreConfig
 
     store = StoreConfig(endpoint_url="http://127.0.0.1:9000", bucket="b1x", access_key="k", secret_key="s")
     node = NodeConfig(

@@ -25,6 +25,8 @@ from boto3.s3.transfer import TransferConfig, create_transfer_manager
 from s3transfer.manager import TransferManager
 from s3transfer.subscribers import BaseSubscriber
 
+from protocol.net.store_config import StoreConfig
+
 
 class StoreError(RuntimeError):
     """The object store could not be reached or refused a request."""
@@ -59,23 +61,6 @@ class ObjectInfo:
     size: int
     etag: str
     """Quoted, as S3 returns it; a multipart upload's ends in -<parts>."""
-
-
-@dataclass(kw_only=True, frozen=True)
-class StoreConfig:
-    """Where the run's objects live."""
-
-    endpoint_url: str
-    """S3 endpoint, e.g. https://<account>.r2.cloudflarestorage.com or http://127.0.0.1:9000."""
-    bucket: str = "crucible"
-    """Bucket holding every run (each under its own prefix)."""
-    access_key: str = ""
-    """Access key id; empty = boto3's credential chain (AWS_ACCESS_KEY_ID, AWS_PROFILE, ~/.aws/credentials,
-    instance roles), and on a loopback endpoint with none of those a placeholder the embedded store takes."""
-    secret_key: str = ""
-    """Secret key; empty = as for access_key."""
-    region: str = "auto"
-    """Region name (R2 uses "auto")."""
 
 
 _LOOPBACK = ("127.0.0.1", "localhost", "::1", "[::1]")

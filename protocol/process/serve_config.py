@@ -10,23 +10,27 @@ by every command: a node's coordinator signs with the node's key under a certifi
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import Any
 
-from protocol.process.cli_errors import EXAMPLE_MULTIADDR, EXAMPLE_PEER_ID
+from protocol.net.store_config import StoreConfig
+from protocol.process.cli_errors import EXAMPLE_PEER_ID
 from protocol.process.settings import (
+    BOOTSTRAP,
     check_fields,
     ipv4,
-    matching,
-    multiaddr,
     optional,
     peer_id,
     positive,
     setting,
-    url,
+    setting_field,
+    settings_of,
 )
 
-BUCKET_PATTERN = r"[a-z0-9][a-z0-9.-]{1,61}[a-z0-9]"
-"""S3 bucket names (as MinIO and R2 apply them too): 3-63 lowercase letters, digits, dots and dashes."""
-STORE_FLAGS = ("store_endpoint", "store_bucket", "store_access_key", "store_secret_key")
+_STORE = {s.key: s for s in settings_of(StoreConfig)}
+STORE_FIELDS = {s.option.removeprefix("--").replace("-", "_"): s.key for s in _STORE.values() if s.option}
+"""serve's field for each store setting a flag gives, named after the flag (store_endpoint: --store-endpoint,
+StoreConfig's endpoint_url); the region, config-file only, keeps its default."""
+STORE_FLAGS = tuple(STORE_FIELDS)
 """The store's settings, which other coordinator commands take too."""
 
 
@@ -36,32 +40,14 @@ class ServeConfig:
     it signs with and its timers. Signing with its own key under a certificate needs key_file, certificate and
     operator_key together (the coordinator CLI checks that, with the operator key file it may sign with)."""
 
-    bootstrap: list[str] = setting(
-        [],
-        "multiaddr of a swarm peer, repeatable",
-        example=EXAMPLE_MULTIADDR,
-        metavar="MULTIADDR",
-        required=True,
-        check=multiaddr,
-    )
+    bootstrap: list[str] = setting_field(BOOTSTRAP)
     host: str = setting(
         "127.0.0.1", "IPv4 address for this process's DHT peer", example="0.0.0.0", check=ipv4
     )
-    store_endpoint: str = setting(
-        "",
-        "S3-compatible endpoint URL, e.g. https://ACCOUNT.r2.cloudflarestorage.com",
-        example="http://127.0.0.1:9000",
-        metavar="URL",
-        required=True,
-        check=url,
-    )
-    store_bucket: str = setting(
-        "crucible",
-        "bucket",
-        check=matching(BUCKET_PATTERN, "not a bucket name (3-63 lowercase letters, digits, dots or dashes)"),
-    )
-    store_access_key: str = setting("", "access key id", shown="boto3's chain", env="AWS_ACCESS_KEY_ID")
-    store_secret_key: str = setting("", "secret key", shown="boto3's chain", env="AWS_SECRET_ACCESS_KEY")
+    store_endpoint: str = setting_field(_STORE["endpoint_url"])
+    store_bucket: str = setting_field(_STORE["bucket"])
+    store_access_key: str = setting_field(_STORE["access_key"])
+    store_secret_key: str = setting_field(_STORE["secret_key"])
     lease_s: float = setting(
         15.0,
         "run lease duration, renewed every tick; another coordinator takes a lapsed one over",
@@ -114,3 +100,14 @@ class ServeConfig:
 
     def __post_init__(self) -> None:
         check_fields(self)
+
+
+def store_of(given: Any) -> StoreConfig:
+    """The store that `given`'s store_* values name: a ServeConfig's, or the parsed flags of a command that
+    takes the store's (STORE_FLAGS)."""
+    return StoreConfig(**{key: getattr(given, name) for name, key in STORE_FIELDS.items()})
+
+
+def store_fields(store: StoreConfig) -> dict[str, Any]:
+    """ServeConfig's store_* values for `store` (its region aside: serve takes the default)."""
+    return {name: getattr(store, key) for name, key in STORE_FIELDS.items()}

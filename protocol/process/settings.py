@@ -27,6 +27,7 @@ from pathlib import Path
 from typing import Any
 
 from protocol.process.cli_errors import (
+    EXAMPLE_MULTIADDR,
     UsageError,
     bad_input,
     check_keys,
@@ -62,8 +63,8 @@ def _shown(value: Any) -> str:
 
 @dataclasses.dataclass(frozen=True)
 class Setting:
-    """One setting. Declared on a config dataclass's field with `setting(...)` (its key is the field's name),
-    or on its own for a config type declared elsewhere (the node's [store] section is StoreConfig's)."""
+    """One setting. Declared on a config dataclass's field with `setting(...)` (its key is the field's name);
+    one that two configs hold is declared once and given to each with `setting_field` (BOOTSTRAP, below)."""
 
     key: str
     default: Any
@@ -133,10 +134,16 @@ class Setting:
 
 def setting(default: Any, help: str, **declared: Any) -> Any:
     """A dataclass field declaring a setting (its key is the field's name); `declared`: Setting's fields."""
-    meta = {_DECLARATION: Setting(key="", default=default, help=help, **declared)}
-    if isinstance(default, list):
-        return dataclasses.field(default_factory=lambda: list(default), metadata=meta)
-    return dataclasses.field(default=default, metadata=meta)
+    return setting_field(Setting(key="", default=default, help=help, **declared))
+
+
+def setting_field(s: Setting) -> Any:
+    """A dataclass field declaring `s`, under the field's name: how two configs hold one setting declared
+    once (a `Setting`, or one of another config's: `serve`'s store_bucket is StoreConfig's bucket)."""
+    meta = {_DECLARATION: s}
+    if isinstance(s.default, list):
+        return dataclasses.field(default_factory=lambda: list(s.default), metadata=meta)
+    return dataclasses.field(default=s.default, metadata=meta)
 
 
 def settings_of(cls: Any, section: str = "") -> tuple[Setting, ...]:
@@ -377,3 +384,16 @@ multiaddr = _problem_of(check_multiaddr)
 """A peer's multiaddr with a TCP port and a peer id."""
 peer_id = _problem_of(check_peer_id)
 """An Ed25519 libp2p peer id (12D3KooW...)."""
+
+
+# --- settings both roles declare -------------------------------------------------------------------
+BOOTSTRAP = Setting(
+    key="bootstrap",
+    default=[],
+    help="multiaddr of a swarm peer, repeatable",
+    example=EXAMPLE_MULTIADDR,
+    metavar="MULTIADDR",
+    required=True,
+    check=multiaddr,
+)
+"""The DHT peers a node (NodeConfig) or a coordinator (protocol/process/serve_config.py) joins through."""

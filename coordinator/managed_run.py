@@ -3,7 +3,10 @@ place, those of no run it leads."""
 
 from __future__ import annotations
 
-from collections.abc import Iterable
+import logging
+from collections import Counter
+from collections.abc import Iterable, Iterator
+from contextlib import contextmanager
 from dataclasses import dataclass, field
 
 from coordinator.lease import HeldLease
@@ -47,6 +50,41 @@ class ManagedRun:
         return self.dropped | {r for (r, _), p in self.placement.slots.items() if p in lost}
 
 
+class RunFaults:
+    """Isolates the runs of one tick: an exception raised while handling one run is counted (`run_failures`
+    in `events`) and logged once per run and cause, and the tick goes on with the other runs; so one run's
+    poison (a store object, a record, a bug its state reaches) never stops another run's failover."""
+
+    MAX_REMEMBERED = 1024
+    """Causes remembered for logging once (then forgotten, and logged again)."""
+
+    def __init__(self, events: Counter[str], logger: logging.Logger) -> None:
+        self.events, self.logger = events, logger
+        self.seen: set[tuple[str, str, str]] = set()
+
+    @contextmanager
+    def guard(self, run_id: str, doing: str) -> Iterator[None]:
+        """Run the block for `run_id`; an exception it raises is noted, not raised."""
+        try:
+            yield
+        except Exception as e:  # whatever it is, it is this run's alone
+            self.events["run_failures"] += 1
+            cause = (run_id, doing, f"{type(e).__name__}: {e}"[:300])
+            if cause in self.seen:
+                self.logger.debug("run %s: %s failed again: %s", run_id, doing, cause[2])
+                return
+            if len(self.seen) >= self.MAX_REMEMBERED:
+                self.seen.clear()
+            self.seen.add(cause)
+            self.logger.error(
+                "run %s: %s failed (the other runs go on; logged once per cause): %s",
+                run_id,
+                doing,
+                cause[2],
+                exc_info=True,
+            )
+
+
 def busy_peers(runs: Iterable[ManagedRun]) -> set[str]:
     """The nodes placed in an active run of `runs`."""
     return {
@@ -64,4 +102,4 @@ def free_nodes(adverts: dict[str, NodeAdvert], runs: Iterable[ManagedRun]) -> li
     return [a for a in adverts.values() if a.peer_id not in busy and a.state in ("idle", "done", "failed")]
 
 
-__all__ = ["ACTIVE", "ManagedRun", "busy_peers", "free_nodes"]
+__all__ = ["ACTIVE", "ManagedRun", "RunFaults", "busy_peers", "free_nodes"]

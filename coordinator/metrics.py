@@ -1,6 +1,7 @@
 """The coordinator's Prometheus metrics (GET /metrics on the dashboard port), rendered at scrape time from
 the tick's snapshot: the runs it leads with their live figures (coordinator/run_figures.py), the nodes it
-sees by state, what it did (leases, placements, rebuilds, ticks), its store requests and refused inputs."""
+sees by state, what it did (leases, placements, rebuilds, ticks, runs whose handling failed), its store
+requests and refused inputs (store keys that do not count for a run's term among them)."""
 
 from __future__ import annotations
 
@@ -40,7 +41,15 @@ def coordinator_families(coord: Coordinator, http: GuardedHTTPServer | None) -> 
         "crucible_coordinator_info", "this coordinator (value 1)", 1, {"peer": coord.identity.peer_id}
     )
     events = CounterMetricFamily("crucible_coordinator_events", "what the coordinator did", labels=["event"])
-    for name in ("ticks", "tick_failures", "leases_taken", "leases_lost", "placements", "rebuilds"):
+    for name in (
+        "ticks",
+        "tick_failures",
+        "run_failures",
+        "leases_taken",
+        "leases_lost",
+        "placements",
+        "rebuilds",
+    ):
         events.add_metric([name], coord.events[name])
     yield events
     states = GaugeMetricFamily("crucible_runs", "runs seen in the DHT, by state", labels=["state"])
@@ -75,6 +84,7 @@ def coordinator_families(coord: Coordinator, http: GuardedHTTPServer | None) -> 
     rejected = {
         "dht_record": dict(coord.dht.rejected),
         "signer": dict(coord.refusals.by_reason),
+        "store_key": dict(coord.ignored.by_reason),
         "http": dict(http.rejected) if http else {},
     }
     yield rejected_family(rejected)

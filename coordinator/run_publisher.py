@@ -6,9 +6,10 @@ from __future__ import annotations
 
 import logging
 import time
+from contextlib import nullcontext
 from dataclasses import replace
 
-from coordinator.managed_run import ACTIVE, ManagedRun
+from coordinator.managed_run import ACTIVE, ManagedRun, RunFaults
 from protocol import keys
 from protocol.assignment_archive import encode_archive
 from protocol.envelope import seal
@@ -33,9 +34,11 @@ class RunPublisher:
         *,
         record_ttl_s: float,
         certificate: bytes,
+        faults: RunFaults | None = None,
     ) -> None:
+        """faults: isolates each run's publishing (the coordinator's; default: what one raises is raised)."""
         self.identity, self.dht, self.store, self.runs = identity, dht, store, runs
-        self.record_ttl_s, self.certificate = record_ttl_s, certificate
+        self.record_ttl_s, self.certificate, self.faults = record_ttl_s, certificate, faults
         self._last_publish = 0.0
 
     def publish(self, *, force: bool) -> None:
@@ -45,10 +48,13 @@ class RunPublisher:
             return
         self._last_publish = time.monotonic()
         for rid, run in self.runs.items():
-            self.dht.publish(keys.RUNS_KEY, run.record, self.record_ttl_s, signer=self.identity, name=rid)
-            if run.record.state in ACTIVE:
-                for peer, a in run.assignments.items():
-                    self.dht.publish(keys.assignment_key(peer), a, self.record_ttl_s, signer=self.identity)
+            with self.faults.guard(rid, "publishing") if self.faults else nullcontext():
+                self.dht.publish(keys.RUNS_KEY, run.record, self.record_ttl_s, signer=self.identity, name=rid)
+                if run.record.state in ACTIVE:
+                    for peer, a in run.assignments.items():
+                        self.dht.publish(
+                            keys.assignment_key(peer), a, self.record_ttl_s, signer=self.identity
+                        )
 
     def set_state(self, run: ManagedRun, state: str, reason: str = "") -> None:
         log.info(

@@ -18,7 +18,7 @@ from dataclasses import replace
 
 from coordinator.lease import launch as launch  # where it lived: callers (tests) import it from here
 from coordinator.lease import renew, try_acquire
-from coordinator.managed_run import ACTIVE, ManagedRun, busy_peers
+from coordinator.managed_run import ACTIVE, ManagedRun, RunFaults, busy_peers
 from coordinator.placement import CostModel
 from coordinator.run_figures import History, sample
 from coordinator.run_placer import RunPlacer
@@ -57,6 +57,9 @@ class Coordinator:
         self.certificate = certificate
         self.trust = trust or OperatorTrust.of({identity.public_key})
         self.refusals = RefusalLog(log)
+        self.ignored = RefusalLog(log)
+        """Objects under a run's {run}/terms/ and {run}/assign/ that do not count for its term, by reason
+        (coordinator/lease.py::highest_term; /metrics source "store_key")."""
         self.lease_s, self.record_ttl_s, self.tick_s, self.churn_grace_s = (
             lease_s,
             record_ttl_s,
@@ -70,12 +73,20 @@ class Coordinator:
         """Where this coordinator's dashboard answers (set by `serve`); named in the records it signs."""
         self.history = History()
         self.events: Counter[str] = Counter()
-        """What this coordinator did: ticks, tick_failures, leases_taken, leases_lost, placements, rebuilds."""
+        """What this coordinator did: ticks, tick_failures, run_failures (what one run's handling raised),
+        leases_taken, leases_lost, placements, rebuilds."""
+        self.faults = RunFaults(self.events, log)
         self.view: dict = {"updated": 0.0, "coordinator": identity.peer_id, "runs": {}, "nodes": {}}
         """A JSON-ready snapshot made at the end of each tick (the dashboard's thread reads only this and
         `history`, never the tick's own state)."""
         self.publisher = RunPublisher(
-            identity, dht, store, self.runs, record_ttl_s=record_ttl_s, certificate=certificate
+            identity,
+            dht,
+            store,
+            self.runs,
+            record_ttl_s=record_ttl_s,
+            certificate=certificate,
+            faults=self.faults,
         )
         self.placer = RunPlacer(store, self.trust, self.runs, self.publisher, self.events)
         self.watch = RunWatch(self.placer, self.publisher, churn_grace_s=churn_grace_s)
@@ -93,6 +104,9 @@ class Coordinator:
 
     # --- lifecycle ----------------------------------------------------------------------------------
     def tick(self) -> None:
+        """One pass over every run: take the leases of active runs led nowhere, then lead ours (renew, act
+        on a stop, place, watch), publish, and snapshot. Each run is handled inside `faults.guard`: what
+        one run raises is counted and logged, and the other runs are handled all the same."""
         records: dict[str, RunRecord] = {}
         found = self.dht.get_all(keys.RUNS_KEY, RunRecord).values()
         for signed in self.trust.filter(found, self.refusals):
@@ -100,55 +114,67 @@ class Coordinator:
             if rec.spec.run_id not in records or rec.updated > records[rec.spec.run_id].updated:
                 records[rec.spec.run_id] = rec
         for rid, rec in records.items():
-            if rid not in self.runs and rec.state in ACTIVE and self.may_sign_for(rid):
-                held = try_acquire(
-                    self.store,
-                    self.identity,
-                    rid,
-                    self.lease_s,
-                    trusted=self.trust,
-                    certificate=self.certificate,
-                )
-                if held:
-                    log.info("run %s: took the lease (term %d)", rid, held.lease.term)
-                    self.events["leases_taken"] += 1
-                    self.runs[rid] = run = ManagedRun(
-                        record=replace(
-                            rec,
-                            term=held.lease.term,
-                            coordinator=self.identity.peer_id,
-                            certificate=self.certificate,
-                            dashboard=self.dashboard_url,
-                        ),
-                        lease=held,
-                    )
-                    if rec.state != "pending":  # a takeover: carry on from what the last holder archived
-                        self.placer.adopt(run)
+            if rid not in self.runs and rec.state in ACTIVE:
+                with self.faults.guard(rid, "taking the lease"):
+                    self._take(rid, rec)
         adverts = self.adverts()
         for rid, run in list(self.runs.items()):
-            if run.record.state not in ACTIVE:
-                continue
-            if not self.may_sign_for(rid):  # our certificate expired: nothing we sign counts any more
-                log.error("run %s: letting the lease go: this coordinator may no longer sign for it", rid)
-                del self.runs[rid]
-                continue
-            held = renew(self.store, self.identity, run.lease, self.lease_s)
-            if held is None:
-                log.warning("run %s: lost the lease to another coordinator; letting go", rid)
-                self.events["leases_lost"] += 1
-                del self.runs[rid]
-                continue
-            run.lease = held
-            self._check_control(run)
-            # (running but unplaced: a taken-over run whose archive could not be read: re-placed)
-            if run.record.state == "pending" or (run.record.state == "running" and run.placement is None):
-                self.placer.place(run, adverts)
-            elif run.record.state == "running":
-                self.watch.watch(run, adverts)
-            elif run.record.state == "stopping":
-                self.watch.watch_stop(run, adverts)
+            if run.record.state in ACTIVE:
+                with self.faults.guard(rid, "leading the run"):
+                    self._lead(rid, run, adverts)
         self.publisher.publish(force=False)
         self._observe(records, adverts)
+
+    def _take(self, rid: str, rec: RunRecord) -> None:
+        """Take the run's lease if nobody holds a live one (and we may sign for it); adopt a placed run."""
+        if not self.may_sign_for(rid):
+            return
+        held = try_acquire(
+            self.store,
+            self.identity,
+            rid,
+            self.lease_s,
+            trusted=self.trust,
+            certificate=self.certificate,
+            ignored=self.ignored,
+        )
+        if held:
+            log.info("run %s: took the lease (term %d)", rid, held.lease.term)
+            self.events["leases_taken"] += 1
+            self.runs[rid] = run = ManagedRun(
+                record=replace(
+                    rec,
+                    term=held.lease.term,
+                    coordinator=self.identity.peer_id,
+                    certificate=self.certificate,
+                    dashboard=self.dashboard_url,
+                ),
+                lease=held,
+            )
+            if rec.state != "pending":  # a takeover: carry on from what the last holder archived
+                self.placer.adopt(run)
+
+    def _lead(self, rid: str, run: ManagedRun, adverts: dict[str, NodeAdvert]) -> None:
+        """Renew the lease of a run we lead (or let it go), act on a stop request, place or watch it."""
+        if not self.may_sign_for(rid):  # our certificate expired: nothing we sign counts any more
+            log.error("run %s: letting the lease go: this coordinator may no longer sign for it", rid)
+            del self.runs[rid]
+            return
+        held = renew(self.store, self.identity, run.lease, self.lease_s)
+        if held is None:
+            log.warning("run %s: lost the lease to another coordinator; letting go", rid)
+            self.events["leases_lost"] += 1
+            del self.runs[rid]
+            return
+        run.lease = held
+        self._check_control(run)
+        # (running but unplaced: a taken-over run whose archive could not be read: re-placed)
+        if run.record.state == "pending" or (run.record.state == "running" and run.placement is None):
+            self.placer.place(run, adverts)
+        elif run.record.state == "running":
+            self.watch.watch(run, adverts)
+        elif run.record.state == "stopping":
+            self.watch.watch_stop(run, adverts)
 
     # --- what the dashboard and /metrics show ---------------------------------------------------------
     def cost_of(self, run: ManagedRun) -> CostModel:
@@ -162,13 +188,20 @@ class Coordinator:
             live = run.record.state in ("running", "stopping")
             if run.placement is not None and (live or not run.final_sample):
                 run.final_sample = not live  # one more sample once it ended: the nodes' last figures
-                try:
-                    self.history.add(rid, sample(run.record.spec, run.placement, adverts, self.cost_of(run)))
-                except ValueError as e:  # a spec the planner cannot model: no figures, the run goes on
-                    log.debug("run %s: no figures: %s", rid, e)
-        runs = {rid: run_view(rec, None, adverts, self.history) for rid, rec in records.items()}
+                with self.faults.guard(rid, "sampling its figures"):
+                    try:
+                        self.history.add(
+                            rid, sample(run.record.spec, run.placement, adverts, self.cost_of(run))
+                        )
+                    except ValueError as e:  # a spec the planner cannot model: no figures, the run goes on
+                        log.debug("run %s: no figures: %s", rid, e)
+        runs = {}
+        for rid, rec in records.items():
+            with self.faults.guard(rid, "showing it"):
+                runs[rid] = run_view(rec, None, adverts, self.history)
         for rid, run in self.runs.items():  # ours: the newest record (we sign it) and the placement
-            runs[rid] = run_view(run.record, run, adverts, self.history)
+            with self.faults.guard(rid, "showing it"):
+                runs[rid] = run_view(run.record, run, adverts, self.history)
         self.view = {
             "updated": time.time(),
             "coordinator": self.identity.peer_id,

@@ -31,7 +31,7 @@ from node.preflight import refuse_if_taken, refuse_live_twin
 from node.probe import device_name, measure_reference_block, measure_store_mbps, measure_tflops, memory_gb
 from node.worker import LN2, StageWorker, WorkerMetrics
 from protocol import keys
-from protocol.assignment_archive import MAX_ARCHIVE_BYTES, archive_slot, decode_archive
+from protocol.assignment_archive import MAX_ARCHIVE_BYTES, decode_archive
 from protocol.delegation import OperatorTrust, RefusalLog
 from protocol.identity import Identity, public_key_of_peer_id
 from protocol.memory import GB, fits, stage_memory
@@ -160,7 +160,7 @@ class AssignmentSource:
         newer = sorted(
             (slot, key)
             for key in self.store.list(keys.assign_prefix(a.run_id))
-            if (slot := archive_slot(a.run_id, key)) is not None and slot > (a.term, a.epoch)
+            if (slot := keys.parse_assign_key(a.run_id, key)) is not None and slot > (a.term, a.epoch)
         )
         for _, key in reversed(newer[-ARCHIVE_READS:]):
             try:

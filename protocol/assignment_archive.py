@@ -33,17 +33,6 @@ def encode_archive(identity: Identity, assignments: list[Assignment]) -> bytes:
     return msgpack.packb([seal(identity, a) for a in assignments])
 
 
-def archive_slot(run_id: str, key: str) -> tuple[int, int] | None:
-    """(term, epoch) of an archive's store key, or None for any other name under the run."""
-    prefix = keys.assign_prefix(run_id)
-    term, sep, epoch = key.removeprefix(prefix).partition("-")
-    if not (key.startswith(prefix) and sep and term.isdecimal() and epoch.isdecimal()):
-        return None
-    if len(term) > 19 or len(epoch) > 19:  # beyond MAX_COUNT: nobody's term
-        return None
-    return int(term), int(epoch)
-
-
 def decode_archive(blob: bytes, trust: OperatorTrust, *, as_issued: bool = False) -> list[Assignment]:
     """The assignments of an archive object, each admitted by `trust`; raises ProtocolError (malformed)
     or ValueError (a bad signature, an untrusted signer). as_issued: check each certificate at the
@@ -64,25 +53,36 @@ def decode_archive(blob: bytes, trust: OperatorTrust, *, as_issued: bool = False
     return out
 
 
+MAX_ARCHIVE_TRIES = 4
+"""Archives a reader opens, newest first, before it gives up: junk or an unreadable object under a canonical
+name (anyone with the store's credentials can write one) costs one GET each, not a missed adoption."""
+
+
 def read_archive(
     store: ObjectStore, spec: RunSpec, trusted: OperatorTrust | set[bytes], *, as_issued: bool = False
 ) -> list[Assignment] | None:
-    """The run's assignments in the newest archive its coordinators wrote (keys sort by term, then epoch);
-    None if there is none or it cannot be read (logged)."""
+    """The run's assignments in the newest archive its coordinators wrote that holds any: canonical keys
+    only (`keys.parse_assign_key`), by (term, epoch), newest first, at most MAX_ARCHIVE_TRIES opened; an
+    object that is junk, unsigned or another run's is logged and the next older one read. None if none."""
     rid = spec.run_id
     try:
-        archived = sorted(store.list(keys.assign_prefix(rid)))
-        blob = store.get(archived[-1], max_bytes=MAX_ARCHIVE_BYTES) if archived else None
-        if blob is None:
-            return None
-        found = decode_archive(blob, OperatorTrust.of(trusted), as_issued=as_issued)
-    except (StoreError, ProtocolError, ValueError) as e:
-        log.warning("run %s: cannot read the assignment archive (%s)", rid, e)
+        listed = store.list(keys.assign_prefix(rid))
+    except StoreError as e:
+        log.warning("run %s: cannot list the assignment archives (%s)", rid, e)
         return None
-    mine = [a for a in found if a.run_id == rid and a.spec == spec]
-    if not mine:
-        log.warning("run %s: the assignment archive holds no assignment of this run", rid)
-    return mine or None
+    slots = sorted(((s, k) for k in listed if (s := keys.parse_assign_key(rid, k)) is not None), reverse=True)
+    for _, key in slots[:MAX_ARCHIVE_TRIES]:
+        try:
+            blob = store.get(key, max_bytes=MAX_ARCHIVE_BYTES)
+            found = decode_archive(blob, OperatorTrust.of(trusted), as_issued=as_issued) if blob else []
+        except (StoreError, ProtocolError, ValueError) as e:
+            log.warning("run %s: skipping the assignment archive %s (%s)", rid, key, e)
+            continue
+        mine = [a for a in found if a.run_id == rid and a.spec == spec]
+        if mine:
+            return mine
+        log.warning("run %s: the assignment archive %s holds no assignment of this run", rid, key)
+    return None
 
 
-__all__ = ["MAX_ARCHIVE_BYTES", "archive_slot", "decode_archive", "encode_archive", "read_archive"]
+__all__ = ["MAX_ARCHIVE_BYTES", "MAX_ARCHIVE_TRIES", "decode_archive", "encode_archive", "read_archive"]

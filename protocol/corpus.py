@@ -26,7 +26,14 @@ MAX_MANIFEST_BYTES = 64 << 20
 """A manifest of ~500,000 shards; a larger object at the manifest's key is refused before download."""
 MAX_NAME_BYTES = 900
 """A shard name's limit in UTF-8 bytes: with its prefix it stays within S3's 1024-byte keys."""
+MAX_LINE_BYTES = 4096
+"""A manifest line's limit: the longest valid one (a 900-byte name, every character escaped as JSON's
+3 ASCII bytes per UTF-8 byte, a size and a sha256) is under 2,800."""
 SHA256_HEX = re.compile(r"[0-9a-f]{64}")
+_SCALAR = r'[^\[\]{}",]*(?:"(?:[^"\\]|\\.)*"[^\[\]{}",]*)?'
+_FLAT_LIST = re.compile(rf"\[{_SCALAR}(?:,{_SCALAR})*\]")
+"""A list of strings and bare values, nothing nested (a bracket or brace only inside a string): checked
+before json sees the line, so no nesting reaches its recursive parser."""
 _BUCKET = re.compile(r"[a-z0-9][a-z0-9.-]{1,61}[a-z0-9]")
 
 
@@ -112,10 +119,18 @@ def parse_manifest(data: bytes, where: str) -> list[ShardEntry]:
         raise ManifestError(f"{where}: not ASCII at byte {e.start}") from e
     entries = []
     for i, line in enumerate(text.splitlines(), 1):
+        if len(line) > MAX_LINE_BYTES:
+            raise ManifestError(f"{where} line {i}: {len(line)} bytes, over the {MAX_LINE_BYTES}-byte limit")
+        if not _FLAT_LIST.fullmatch(line):
+            raise ManifestError(
+                f"{where} line {i}: not a [name, size, sha256] JSON list: nested or not a list"
+            )
         try:
             name, size, sha = json.loads(line)
-        except (ValueError, TypeError) as e:
-            raise ManifestError(f"{where} line {i}: not a [name, size, sha256] JSON list: {e}") from e
+        except Exception as e:  # whatever json raises for an untrusted line is this line's fault
+            raise ManifestError(
+                f"{where} line {i}: not a [name, size, sha256] JSON list: {str(e)[:200]}"
+            ) from e
         if not isinstance(name, str) or not isinstance(sha, str):
             raise ManifestError(f"{where} line {i}: name and sha256 must be strings")
         entries.append(ShardEntry(name=name, size=size, sha256=sha))

@@ -62,6 +62,31 @@ def assign_key(run: str, term: int, epoch: int) -> str:
     return f"{assign_prefix(run)}{term:06d}-{epoch:06d}"
 
 
+def _canonical_number(text: str) -> int | None:
+    """The number `text` spells as these keys write numbers (ASCII digits, zero-padded to 6 and no further:
+    "000007", "1234567"), else None ("007", "+5", "-3", "0000007", "7e3", 40 digits)."""
+    if not (text.isascii() and text.isdigit() and len(text) <= 19):
+        return None
+    n = int(text)
+    return n if text == f"{n:06d}" else None
+
+
+def parse_term_key(run: str, key: str) -> int | None:
+    """The term of a canonical `term_key` of `run`, else None (any other name under the prefix)."""
+    if not key.startswith(terms_prefix(run)):
+        return None
+    return _canonical_number(key[len(terms_prefix(run)) :])
+
+
+def parse_assign_key(run: str, key: str) -> tuple[int, int] | None:
+    """(term, epoch) of a canonical `assign_key` of `run`, else None."""
+    if not key.startswith(assign_prefix(run)):
+        return None
+    term, sep, epoch = key[len(assign_prefix(run)) :].partition("-")
+    t, e = _canonical_number(term), _canonical_number(epoch)
+    return (t, e) if sep and t is not None and e is not None else None
+
+
 def control_key(run: str) -> str:
     """Signed RunControl (stop requests)."""
     return f"{run}/control"

@@ -295,6 +295,27 @@ class Lease:
 
 
 @dataclass(kw_only=True, frozen=True)
+class TermClaim:
+    """The write-once claim of a lease term (`{run}/terms/{term:06d}`), signed by the claimant: a term
+    counts for the fencing floor only when a trusted coordinator claimed it (coordinator/lease.py)."""
+
+    run_id: str
+    term: int
+    holder: str
+    claimed_at: float
+    """Unix time of the claim: its certificate is checked as of then (it may have expired since)."""
+    certificate: bytes = b""
+    """As in Lease: the signer's certificate, empty when the operator's key signed."""
+
+    def __post_init__(self) -> None:
+        check_run_id("TermClaim.run_id", self.run_id)
+        _check_certificate("TermClaim.certificate", self.certificate)
+        check_range("TermClaim.term", self.term, 1, MAX_COUNT)
+        _check_text("TermClaim.holder", self.holder)
+        check_range("TermClaim.claimed_at", self.claimed_at, 0, MAX_TIME_S)
+
+
+@dataclass(kw_only=True, frozen=True)
 class RunControl:
     """Operator request for a run (stop)."""
 

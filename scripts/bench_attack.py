@@ -1,17 +1,19 @@
-"""One hostile replica of R: final bits per byte with and without robust aggregation (issue 10, acceptance 3).
+"""f hostile replicas of R: final bits per byte with and without robust aggregation (issues 10 and 21).
 
   python -m scripts.bench_attack                          # the recorded run: 3 seeds, 4 replicas, 20 rounds
   python -m scripts.bench_attack --seeds 1 --attacks flip --rules trimmed,none     # one cell
+  python -m scripts.bench_attack --replicas 5 --hostile 2 --seeds 1        # f = 2 of 2f + 1
   python -m scripts.bench_attack --check              # build every run's spec, train nothing
 
 For every seed, in one process and through one in-process S3 server (moto), the SparseLoCo arm of
 `scripts.bench_quality` (the real `OuterSync`, SparseLoCo codec and `make_sync_parts` aggregation) runs:
 
 - honest, under each aggregation rule of --rules (`sync.robust`: the default "trimmed", the old default
-  "none", optionally "clip_median");
-- for each attack of --attacks, the same with replica R-1 uploading forged fragments, signed with its own
-  valid key, in outer rounds --rounds (1-based): "x100" (scales x100), "flip" (all values negated) and
-  "floatmax" (values up to 1e38).
+  "none" (run without the absolute max_abs / max_norm bounds too), optionally "clip_median");
+- for each attack of --attacks, the same with the last --hostile replicas (R-f..R-1) each uploading forged
+  fragments of its own update, signed with its own valid key, in outer rounds --rounds (1-based): "x100"
+  (scales x100), "flip" (all values negated) and "floatmax" (values up to 1e38). The aggregation holds
+  f hostile of R >= 2f + 1; beyond that (2 of 4) it still bounds their influence.
 
 The seed sets both the data stream and the initial weights. The figure is the consensus weights' final
 validation bits per byte; the gap of an attacked run is taken against the honest run of the same seed
@@ -82,7 +84,7 @@ def check(setups: dict[int, Setup], base: SyncSpec, rules: list[str], attacks: l
     runs = []
     for seed, s in setups.items():
         for rule in rules:
-            make_sync_parts(arm_spec("sparseloco", replace(base, robust=rule), s), ident)
+            make_sync_parts(arm_spec("sparseloco", rule_sync(base, rule), s), ident)
             runs += [f"{seed}/{kind}/{rule}" for kind in ["honest", *attacks]]
     return {"check": "ok", "bench": "robust_aggregation_attack", "runs": runs, "H": base.H}
 
@@ -95,7 +97,10 @@ def main(argv: list[str] | None = None) -> int:
         "--rules", default="trimmed,none", help=f"sync.robust values, subset of {','.join(RULES)}"
     )
     ap.add_argument("--rounds", default="3-8", help="1-based outer rounds of the attack (default 3-8)")
-    ap.add_argument("--replicas", type=int, default=4, help="R (default 4); replica R-1 is the hostile one")
+    ap.add_argument("--replicas", type=int, default=4, help="R (default 4)")
+    ap.add_argument(
+        "--hostile", type=int, default=1, help="f: replicas R-f..R-1 are hostile (default 1; 1 <= f < R)"
+    )
     ap.add_argument("--outer-rounds", type=int, default=20, help="outer rounds per run (default 20)")
     ap.add_argument("--H", type=int, default=5, help="inner steps per outer round (default 5)")
     ap.add_argument("--beta", type=float, default=0.7, help="SparseLoCo error-feedback decay (default 0.7)")
@@ -120,6 +125,9 @@ def main(argv: list[str] | None = None) -> int:
     rules = [r for r in args.rules.split(",") if r]
     if set(attacks) - set(ATTACKS) or set(rules) - set(RULES) or not rules:
         ap.error(f"--attacks from {','.join(ATTACKS)}; --rules from {','.join(RULES)}")
+    if not 1 <= args.hostile < args.replicas:
+        ap.error(f"--hostile {args.hostile} must be in 1..{args.replicas - 1} (--replicas {args.replicas})")
+    hostile = list(range(args.replicas - args.hostile, args.replicas))
     if last > args.outer_rounds:
         ap.error(f"--rounds {args.rounds} ends after the last of {args.outer_rounds} outer rounds")
     try:
@@ -152,7 +160,8 @@ def main(argv: list[str] | None = None) -> int:
     print(
         f"# R={args.replicas} rounds={args.outer_rounds} H={args.H} d={model.d_model} "
         f"layers={model.n_layers} "
-        f"params={model.n_params:,} attack rounds {first}-{last} by replica {args.replicas - 1}; "
+        f"params={model.n_params:,} attack rounds {first}-{last} by replicas {hostile} "
+        f"({'within' if args.replicas >= 2 * args.hostile + 1 else 'beyond'} R >= 2f + 1); "
         f"seeds {seeds}; default rule {SyncSpec.robust}",
         file=sys.stderr,
         flush=True,
@@ -168,12 +177,14 @@ def main(argv: list[str] | None = None) -> int:
                 attack = (
                     None
                     if kind == "honest"
-                    else Attack(kind=kind, replica=args.replicas - 1, first=first, last=last)
+                    else Attack(
+                        kind=kind, replica=hostile[0], first=first, last=last, colluders=tuple(hostile[1:])
+                    )
                 )
                 for rule in rules:
                     counter.bounded = counter.left_out = 0
                     r: Result = run_outer(
-                        "sparseloco", replace(base_sync, robust=rule), s, corpus, val, store, log, attack
+                        "sparseloco", rule_sync(base_sync, rule), s, corpus, val, store, log, attack
                     )
                     v = r.val_bpb if math.isfinite(r.val_bpb) else None
                     bpb.setdefault(kind, {}).setdefault(rule, {})[str(seed)] = (
@@ -231,7 +242,8 @@ def main(argv: list[str] | None = None) -> int:
     out = {
         "bench": "robust_aggregation_attack",
         "replicas": args.replicas,
-        "hostile_replica": args.replicas - 1,
+        "hostile_replicas": hostile,
+        "within_2f_plus_1": args.replicas >= 2 * args.hostile + 1,
         "outer_rounds": args.outer_rounds,
         "attack_rounds": [first, last],
         "H": args.H,
@@ -251,6 +263,13 @@ def main(argv: list[str] | None = None) -> int:
     }
     print(json.dumps(out))
     return 0
+
+
+def rule_sync(base: SyncSpec, rule: str) -> SyncSpec:
+    """base under `sync.robust = rule`; "none" is the old default, without the absolute bounds too."""
+    if rule == "none":
+        return replace(base, robust="none", max_abs=0.0, max_norm=0.0)
+    return replace(base, robust=rule)
 
 
 def _ratio(a: float | None, b: float | None) -> float | None:

@@ -108,6 +108,8 @@ class Attack:
     replica: int
     first: int
     last: int
+    colluders: tuple[int, ...] = ()
+    """Further replicas forging the same way in the same rounds (scripts.bench_attack --hostile)."""
 
     def active(self, rnd: int) -> bool:
         """rnd: OuterSync's 0-based round number."""
@@ -230,7 +232,7 @@ def run_outer(
         model, opt = new_model(s)
         parts = make_sync_parts(spec, ids[r])  # the swarm's codec, aggregation and outer momentum
         codec = parts.codec
-        if attack is not None and r == attack.replica:
+        if attack is not None and r in (attack.replica, *attack.colluders):
             if not isinstance(codec, SparseLoCoCodec):
                 raise ValueError(f"--attack needs a SparseLoCo arm; {name} is {sync.method}")
             codec = ForgingCodec(ids[r], codec.cfg, attack)

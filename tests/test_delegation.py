@@ -28,7 +28,7 @@ from protocol import delegation as d
 from protocol.delegation import OperatorTrust, RefusalLog, Untrusted, issue
 from protocol.envelope import open_envelope, seal
 from protocol.identity import Identity
-from protocol.messages import Assignment, Delegation, Lease, RunControl, RunRecord
+from protocol.messages import Assignment, Delegation, Lease, RunControl, RunRecord, TermClaim
 from protocol.runspec import ModelSpec, RunSpec
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -208,7 +208,8 @@ def test_a_lease_signed_without_a_valid_certificate_blocks_nothing(store) -> Non
         ),
     ):
         rid = f"run-{uuid.uuid4().hex[:8]}"
-        store.put(f"{rid}/terms/000004", b"x")  # the run was at term 4
+        claim = TermClaim(run_id=rid, term=4, holder=OPERATOR.peer_id, claimed_at=now)
+        store.put(f"{rid}/terms/000004", seal(OPERATOR, claim))  # the run was at term 4
         forged = Lease(run_id=rid, term=9, holder=signer.peer_id, expires_at=now + 300, certificate=c)
         store.put(f"{rid}/lease", seal(signer, forged))
         held = try_acquire(store, mine, rid, 30, trusted=TRUST, certificate=cert)

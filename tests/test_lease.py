@@ -10,10 +10,12 @@ import pytest
 
 from coordinator.lease import MAX_LEASE_S, renew, try_acquire
 from protocol import keys
+from protocol.assignment_archive import encode_archive
 from protocol.envelope import seal
 from protocol.identity import Identity
-from protocol.messages import Lease
+from protocol.messages import Assignment, Lease
 from protocol.net.store import ObjectStore, StoreConfig
+from protocol.runspec import ModelSpec, RunSpec
 
 OPERATOR = Identity.from_seed(bytes([7]) * 32)  # coordinators sign with one trusted key
 
@@ -69,7 +71,14 @@ def test_a_garbage_lease_object_does_not_reset_the_term(store: ObjectStore) -> N
     rid = run_id()
     held = try_acquire(store, OPERATOR, rid, 30)
     assert held is not None
-    store.put(keys.assign_key(rid, 7, 1), b"assignments of term 7")  # a holder that reached term 7
+    # a holder that reached term 7 archived its assignments (its claims are gone); only signed ones count
+    spec = RunSpec(run_id=rid, replicas=1, stages=1, model=ModelSpec(d_model=32, n_layers=2, n_heads=2))
+    peer = Identity.generate().peer_id
+    seven = Assignment(
+        run_id=rid, term=7, epoch=1, peer_id=peer, replica=0, stage=0, layers=[0, 2], spec=spec,
+        stage_peers={"0": peer},
+    )  # fmt: skip
+    store.put(keys.assign_key(rid, 7, 1), encode_archive(OPERATOR, [seven]))
     store.put(keys.lease_key(rid), b"\x00garbage")
     taken = try_acquire(store, OPERATOR, rid, 30)
     assert taken is not None and taken.lease.term == 8  # above every term already used, not back to 1

@@ -104,7 +104,8 @@ def test_the_sync_section_is_flat_and_builds_its_components() -> None:
     types declare theirs; each component's settings come from the section by one method."""
     assert [f.name for f in fields(SyncSpec)] == SYNC_KEYS
     encoded = msgpack.packb(to_dict(SyncSpec()), use_bin_type=True)
-    assert hashlib.sha256(encoded).hexdigest()[:16] == "def89355c4f9a399"  # as before the types
+    # def89355c4f9a399 before issue 21 turned the absolute bounds on (max_abs 1e3, max_norm 1e5 by default)
+    assert hashlib.sha256(encoded).hexdigest()[:16] == "fc61b811035a20e8"
     s = SyncSpec(
         H=12, P=3, tau=2, k=16, chunk=256, beta=0.7, aggregation="mean", robust="clip_median", max_abs=5.0
     )

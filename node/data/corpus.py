@@ -26,7 +26,14 @@ from pathlib import Path
 import numpy as np
 import torch
 
-from node.data.corpus_files import DataError, manifest_of, scan_corpus
+from node.data.corpus_files import (
+    DataError,
+    check_within,
+    manifest_of,
+    open_regular,
+    read_regular,
+    scan_corpus,
+)
 from node.data.corpus_store import fetch_corpus, fetch_tokenizer
 from node.data.tokenizer import (
     MAX_TOKENIZER_BYTES,
@@ -74,7 +81,7 @@ class ShardReader:
         fd = self._fds.get(i)
         if fd is None:
             try:
-                fd = os.open(self.paths[i], os.O_RDONLY)
+                fd = open_regular(self.paths[i])
             except OSError as e:
                 raise DataError(f"cannot read corpus file {self.paths[i]}: {e}") from e
             self._fds[i] = fd
@@ -212,6 +219,13 @@ class DataSource:
         expanded = os.path.expanduser(ref)
         return expanded if os.path.isabs(expanded) else os.path.join(os.path.expanduser(self.root), ref)
 
+    def _root_for(self, ref: str) -> str | None:
+        """The data root a relative `ref` must stay under; None for "stdlib", absolute and ~ paths (the
+        operator named them outright) or a node without a data root."""
+        if ref == "stdlib" or not self.root or os.path.isabs(os.path.expanduser(ref)):
+            return None
+        return self.root
+
     def _need_store(self, what: str, url: str) -> ObjectStore:
         if self.store is None:
             raise DataError(
@@ -230,15 +244,18 @@ class DataSource:
             data = fetch_tokenizer(store, ref, train.tokenizer_sha256, MAX_TOKENIZER_BYTES)
         else:
             path = Path(self.local_path(ref)).expanduser()
+            root = self._root_for(ref)
+            if root is not None:
+                check_within(path, root, "train.tokenizer")
             try:
-                if path.stat().st_size > MAX_TOKENIZER_BYTES:
-                    raise DataError(f"train.tokenizer {ref!r} is over {MAX_TOKENIZER_BYTES >> 20} MiB")
-                data = path.read_bytes()
+                data = read_regular(path, MAX_TOKENIZER_BYTES, "train.tokenizer")
             except OSError as e:
                 raise DataError(
                     f"train.tokenizer {ref!r} cannot be read on this node as {path}: {e.strerror or e} "
                     "(relative paths resolve under --data-root)"
                 ) from e
+            if len(data) > MAX_TOKENIZER_BYTES:
+                raise DataError(f"train.tokenizer {ref!r} is over {MAX_TOKENIZER_BYTES >> 20} MiB")
         tok = parse_tokenizer(data, ref, train.tokenizer_sha256)
         check_vocab(tok, vocab)
         return tok
@@ -275,7 +292,10 @@ class DataSource:
             where = train.data
         else:
             where = self.local_path(train.data)
-            scan = scan_corpus(where)
+            root = self._root_for(train.data)
+            if root is not None:  # the path (or glob) itself, then each file it names
+                check_within(where, root, "train.data")
+            scan = scan_corpus(where, within=root)
             entries = manifest_of(scan)
             files = [scan.root / e.name for e in entries]
             sha = corpus_sha256(entries)

@@ -24,7 +24,7 @@ from typing import Any
 
 import numpy as np
 
-from node.data.corpus_files import DataError
+from node.data.corpus_files import DataError, open_regular
 
 log = logging.getLogger(__name__)
 
@@ -116,7 +116,7 @@ def token_byte_lengths(tok: LoadedTokenizer) -> np.ndarray:
 def _pieces(path: Path):  # type: ignore[no-untyped-def]
     """The file's text in pieces of about CHUNK_BYTES, each cut after a newline (or at the end)."""
     carry = b""
-    with path.open("rb") as f:
+    with os.fdopen(open_regular(path), "rb") as f:
         while block := f.read(CHUNK_BYTES):
             block = carry + block
             cut = block.rfind(b"\n") + 1

@@ -11,14 +11,14 @@ Averaging (`AggregationSettings.aggregation`, protocol/sync_settings.py; SparseL
 Bounded influence of one replica (`AggregationSettings.robust`, DESIGN section 10; on by default):
 
 - `screen`:            drop contributions with the wrong shapes, NaN/inf, or beyond the absolute
-                       `max_abs` / `max_norm` (off unless set), saying why.
-- `clamp_to_median_max_abs`:  per tensor t, B_t = max_abs_ratio * med_l max_i |Delta_l,t[i]|;
-                       Delta_j,t <- clamp(Delta_j,t, -B_t, B_t)          (decoded values near float max)
+                       `max_abs` / `max_norm` (on by default, far above any honest update), saying why.
+- `clamp_to_median_max_abs`:  per tensor t, B_t = min(max_abs_ratio * med_l max_i |Delta_l,t[i]|, float32
+                       max); Delta_j,t <- clamp(Delta_j,t, -B_t, B_t)     (decoded values near float max)
 - `median_norm_clip`:  Delta_j <- Delta_j * min(1, max_norm_ratio * med_l ||Delta_l|| / ||Delta_j||)
-- `agreement_screen`:  cos_j = <Delta_j, S_-j> / (||Delta_j|| ||S_-j||),  S_-j = sum_{l != j} Delta_l;
-                       while the lowest cos_j < min_agreement, leave that contribution out and recompute
-                       over the rest (sign-flipped updates scored -0.33 to -0.39, honest ones 0.05 to
-                       0.40, in docs/benchmarks.md)
+- `agreement_screen`:  z_-j = geometric median of the others left (Weiszfeld on their Gram matrix),
+                       cos_j = <Delta_j, z_-j> / (||Delta_j|| ||z_-j||); while some cos_j < min_agreement and
+                       fewer than half of those left agree with Delta_j (pairwise cosine), leave the lowest
+                       out and recompute; never half or more of the round
 - `trimmed_mean`:      at each coordinate, of the n_i values sent there (all |A| for "mean"), drop the
                        b_i = min(ceil(trim * n_i), floor((n_i - 1) / 2)) smallest and largest and average
                        the rest (arXiv 1803.01498): with trim 0.25 the median of 3, the middle two of 4.
@@ -30,13 +30,19 @@ one's, among 2 the smaller one's. Magnitudes are bounded by scaling down, not by
 replica that is merely unusual this round (fresh error feedback after a restart, an odd batch) keeps
 its direction, and a hostile one's influence is bounded either way (its norm by the clip, each value by
 the clamp). Direction is the one thing scaling cannot bound, so a contribution pointing away from the
-others is left out whole, and the trim bounds each coordinate sent by at least 3 replicas.
+round's median is left out whole, and the trim bounds each coordinate sent by at least 3 replicas.
+
+The bound (DESIGN section 10): f hostile replicas of n >= 2f + 1, colluding or not. The geometric median
+then stays near the honest contributions (breakdown point 1/2), so a hostile direction is left out and an
+honest one never is. Beyond it (2 colluders of 4) the median may side with the colluders, but each honest
+replica keeps half the round's support, so nobody is left out and the clip and trim bound the influence.
 
 Every replica must compute the same Delta_bar bit for bit, so nothing here depends on arrival order:
 contributions are taken in ascending replica id; the plain averages sum them one after another in float32
 (elementwise IEEE adds, identical on every host), the trimmed mean sums in float64 in a fixed order
 (replica order, or ascending sorted position where it trims); norms and inner products are summed in
-float64 by numpy's pairwise sum over fixed blocks; bounds and clip factors are rounded to float32.
+float64 by numpy's pairwise sum over fixed blocks; the geometric median is a fixed number of Weiszfeld
+steps over Python floats in replica order; bounds and clip factors are rounded to float32.
 """
 
 from __future__ import annotations
@@ -53,6 +59,9 @@ from protocol.sync_settings import AggregationSettings
 Contributions = Mapping[int, Sequence[torch.Tensor]]
 """Replica id -> that replica's decoded pseudo-gradient, one dense tensor per parameter."""
 
+F32_MAX = float(np.finfo(np.float32).max)
+WEISZFELD_STEPS = 64
+"""Weiszfeld steps of the geometric median (fixed, so every host stops at the same bits)."""
 _BLOCK = 1 << 20
 """Coordinates per block of the trimmed mean and the inner products (bounds their temporary memory to a
 few times R x 8 MiB whatever the tensor's size; fixed, so the float64 sums are the same on every host)."""
@@ -153,6 +162,12 @@ def screen(
     return ok, rejected
 
 
+def clamp_bound(peaks: Sequence[float], ratio: float) -> float:
+    """B_t = ratio * lower median of the peaks, in float64, then at most float32's largest and rounded to
+    float32: a bound near float max never becomes inf (which would clamp nothing)."""
+    return float(np.float32(min(ratio * _lower_median(peaks), F32_MAX)))
+
+
 def clamp_to_median_max_abs(
     contribs: Contributions, ratio: float = 4.0
 ) -> tuple[dict[int, list[torch.Tensor]], dict[int, int]]:
@@ -168,7 +183,7 @@ def clamp_to_median_max_abs(
     counts = {j: 0 for j, _ in ordered}
     for i in range(len(ordered[0][1])):
         peaks = [float(ts[i].abs().max()) if ts[i].numel() else 0.0 for _, ts in ordered]
-        bound = float(np.float32(ratio * _lower_median(peaks)))
+        bound = clamp_bound(peaks, ratio)
         for (j, ts), peak in zip(ordered, peaks, strict=True):
             t = ts[i].detach().float()
             if peak > bound:
@@ -200,43 +215,85 @@ def median_norm_clip(
     return out, factors
 
 
-def agreement_screen(
-    contribs: Contributions, min_agreement: float = 0.0
-) -> tuple[dict[int, list[torch.Tensor]], list[Rejection], dict[int, float]]:
-    """Leave out contributions pointing away from the others: while the lowest
-    cos_j = <Delta_j, sum_{l != j} Delta_l> / (||Delta_j|| ||sum_{l != j} Delta_l||) over those left is below
-    `min_agreement`, drop every contribution at that lowest value (exact ties: with two left, both) and
-    recompute. cos_j is 0 where a norm is 0. Computed from the Gram matrix (float64, each pair once).
-
-    Returns (kept, rejections, cos_j of each contribution in the last round it was scored).
-    """
-    ordered = _ordered(contribs)
-    ids = [j for j, _ in ordered]
+def _gram(ordered: list[tuple[int, Sequence[torch.Tensor]]]) -> dict[tuple[int, int], float]:
+    """G[j, l] = <Delta_j, Delta_l>, each pair once, in float64 (`_dot`)."""
     G: dict[tuple[int, int], float] = {}
     for a, (j, tj) in enumerate(ordered):
         for q, tq in ordered[a:]:
             G[j, q] = G[q, j] = _dot(tj, tq)
-    left = list(ids)
+    return G
+
+
+def geometric_median_weights(G: Mapping[tuple[int, int], float], ids: Sequence[int]) -> dict[int, float]:
+    """Weights w (sum 1) of the geometric median z = sum_l w_l Delta_l of the contributions `ids`, by
+    `WEISZFELD_STEPS` Weiszfeld steps from the mean, computed from the Gram matrix alone:
+
+        ||Delta_j - z||^2 = G_jj - 2 (G w)_j + w^T G w,     w_j <- (1/d_j) / sum_l (1/d_l)
+
+    with d_j floored at 1e-9 of the largest norm (a point the median sits on keeps a finite weight).
+    Python floats in `ids` order and a fixed step count: the same bits on every host. The geometric
+    median stays within a bounded distance of the honest contributions while fewer than half are
+    hostile (breakdown point 1/2)."""
+    n = len(ids)
+    w = {j: 1.0 / n for j in ids}
+    floor = 1e-9 * math.sqrt(max(max(G[j, j] for j in ids), 0.0)) if ids else 0.0
+    for _ in range(WEISZFELD_STEPS):
+        Gw = {j: sum(G[j, q] * w[q] for q in ids) for j in ids}  # (G w)_j
+        zz = sum(w[j] * Gw[j] for j in ids)  # ||z||^2
+        inv = {j: 1.0 / max(math.sqrt(max(G[j, j] - 2.0 * Gw[j] + zz, 0.0)), floor, 1e-150) for j in ids}
+        total = sum(inv[j] for j in ids)
+        w = {j: inv[j] / total for j in ids}
+    return w
+
+
+def agreement_screen(
+    contribs: Contributions, min_agreement: float = 0.0
+) -> tuple[dict[int, list[torch.Tensor]], list[Rejection], dict[int, float]]:
+    """Leave out contributions pointing away from the geometric median z_-j of the others left:
+
+        cos_j = <Delta_j, z_-j> / (||Delta_j|| ||z_-j||)                     (0 where a norm is 0)
+        support_j = #{l left : <Delta_j, Delta_l> >= min_agreement ||Delta_j|| ||Delta_l||}  (j itself too)
+
+    While some contribution has cos_j < min_agreement and is agreed with by fewer than half of those left
+    (2 support_j < |left|), the lowest-scored one (then the lowest id) is left out and z recomputed; at
+    most floor((n - 1) / 2) of n are ever left out. With f hostile of n >= 2f + 1, z_-j stays near the honest
+    ones, so a hostile direction is left out and an honest one is not; beyond that bound (2 colluders of
+    4) z_-j may side with the colluders, but then each honest replica still has half the round's support and
+    nobody is left out: the clip and the trimmed mean bound the colluders' influence instead. Computed
+    from the Gram matrix (float64, each pair once, `geometric_median_weights`).
+
+    Returns (kept, rejections, cos_j of each contribution in the last round it was scored).
+    """
+    ordered = _ordered(contribs)
+    G = _gram(ordered)
+    left = [j for j, _ in ordered]
+    cap = (len(left) - 1) // 2  # never half or more of the round
     cos: dict[int, float] = {}
     rejected: list[Rejection] = []
-    while len(left) >= 2:
-        for j in left:
+    while True:
+        for j in left:  # against the others' median: in high dimension a point's own share dominates z
             others = [q for q in left if q != j]
-            num = sum(G[j, q] for q in others)  # <Delta_j, sum of the others>
-            den = math.sqrt(max(G[j, j], 0.0) * max(sum(G[q, m] for q in others for m in others), 0.0))
-            cos[j] = num / den if den > 0 else 0.0
-        low = min(cos[j] for j in left)
-        if low >= min_agreement:
+            w = geometric_median_weights(G, others)
+            zz = max(sum(w[a] * G[a, q] * w[q] for a in others for q in others), 0.0)
+            den = math.sqrt(max(G[j, j], 0.0) * zz)
+            cos[j] = sum(G[j, q] * w[q] for q in others) / den if den > 0 else 0.0
+
+        def agrees(j: int, q: int) -> bool:
+            return j == q or G[j, q] >= min_agreement * math.sqrt(max(G[j, j], 0.0) * max(G[q, q], 0.0))
+
+        support = {j: sum(agrees(j, q) for q in left) for j in left}
+        out = [j for j in left if cos[j] < min_agreement and 2 * support[j] < len(left)]
+        if not out or len(rejected) >= cap:
             break
-        for j in [j for j in left if cos[j] == low]:
-            left.remove(j)
-            rejected.append(
-                Rejection(
-                    j,
-                    f"direction disagrees with the other replicas': cosine {low:.3g} with their sum < "
-                    f"min_agreement {min_agreement:g}",
-                )
+        j = min(out, key=lambda q: (cos[q], q))
+        left.remove(j)
+        rejected.append(
+            Rejection(
+                j,
+                f"direction disagrees with the others' median: cosine {cos[j]:.3g} < min_agreement "
+                f"{min_agreement:g}, and {support[j]} of the {len(left) + 1} left agree with it",
             )
+        )
     kept = {j: list(ts) for j, ts in ordered if j in left}
     return kept, sorted(rejected, key=lambda r: r.replica), cos
 
@@ -355,12 +412,15 @@ def aggregate(
 
 
 __all__ = [
+    "F32_MAX",
     "Aggregate",
     "Contributions",
     "Rejection",
     "aggregate",
     "agreement_screen",
+    "clamp_bound",
     "clamp_to_median_max_abs",
+    "geometric_median_weights",
     "mean_over_arrivals",
     "median_norm_clip",
     "norm",

@@ -12,6 +12,11 @@ Routes map a path to a handler; a path ending in "/" also serves everything belo
 `/api/runs/abc`). A handler raises `BadRequest` for a request it cannot answer (an unknown run, a
 malformed query): the client gets that 4xx status with `{"error": message}`, never a 500, and the
 refusal is counted by reason in `rejected`.
+
+What aiohttp logs about a connection (a malformed request, by default with a traceback at ERROR; a client
+gone mid-answer) and a handler's own failures go through one `RequestLog`: at most `log_lines` lines per
+`log_interval_s`, then one line counting the rest, so a flood of malformed requests is not a flood of
+logs. A malformed request is a client's mistake, not the server's: one WARNING line, no traceback.
 """
 
 from __future__ import annotations
@@ -20,11 +25,13 @@ import asyncio
 import contextlib
 import logging
 import threading
+import time
 from collections import Counter
 from collections.abc import Awaitable, Callable, Mapping
 
 import uvloop
 from aiohttp import web
+from aiohttp.http_exceptions import HttpProcessingError
 from aiohttp.web_protocol import RequestHandler
 
 log = logging.getLogger(__name__)
@@ -70,6 +77,69 @@ def check_query(request: web.BaseRequest, allowed: set[str]) -> None:
         )
 
 
+class RequestLog(logging.Logger):
+    """The logger aiohttp's connections and the handlers log to: at most `lines` lines per `interval_s`
+    pass to `log`, the rest are counted and summed up in one line when the interval ends. A record
+    about a malformed request (aiohttp's HttpProcessingError) becomes one WARNING line without its
+    traceback. Used on the server's own loop thread only."""
+
+    def __init__(
+        self,
+        name: str,
+        *,
+        loop: asyncio.AbstractEventLoop,
+        lines: int,
+        interval_s: float,
+        clock: Callable[[], float] = time.monotonic,
+    ) -> None:
+        super().__init__(f"{log.name}.{name}")
+        self.server_name, self._loop, self._clock = name, loop, clock
+        self.lines, self.interval_s = lines, interval_s
+        self._window_start = -float("inf")
+        self._in_window = 0
+        self.suppressed = 0
+        """Lines not logged in the current interval (summed up when it ends)."""
+
+    def handle(self, record: logging.LogRecord) -> None:
+        exc = record.exc_info[1] if record.exc_info else None
+        if isinstance(exc, HttpProcessingError):  # the client's mistake: one line, no traceback
+            detail = " ".join(str(exc).split())[:300]
+            record = log.makeRecord(
+                log.name,
+                min(record.levelno, logging.WARNING),  # (aiohttp logs non-HTTP traffic at DEBUG)
+                record.pathname,
+                record.lineno,
+                "%s server: %s: malformed request (%s: %s), answered %d",
+                (self.server_name, record.getMessage(), type(exc).__name__, detail, exc.code),
+                None,
+            )
+        if not log.isEnabledFor(record.levelno):
+            return
+        now = self._clock()
+        if now - self._window_start >= self.interval_s:
+            self._summarize()
+            self._window_start, self._in_window = now, 0
+        if self._in_window >= self.lines:
+            if not self.suppressed:  # the summary comes when the interval ends, even if the flood stops
+                self._loop.call_later(self._window_start + self.interval_s - now, self._summarize)
+            self.suppressed += 1
+            return
+        self._in_window += 1
+        log.handle(record)
+
+    def _summarize(self) -> None:
+        if self.suppressed:
+            log.warning(
+                "%s server: %d more request errors in %g s not logged (at most %d lines per %g s)",
+                self.server_name,
+                self.suppressed,
+                self.interval_s,
+                self.lines,
+                self.interval_s,
+            )
+            self.suppressed = 0
+
+
 class _GuardedServer(web.Server):
     """aiohttp's low-level server with a cap on open connections and a deadline per request."""
 
@@ -80,9 +150,16 @@ class _GuardedServer(web.Server):
         loop: asyncio.AbstractEventLoop,
         max_connections: int,
         request_timeout_s: float,
+        request_log: RequestLog,
     ) -> None:
         # keepalive_timeout: aiohttp's own idle timer, just past ours (belt and braces)
-        super().__init__(handler, loop=loop, access_log=None, keepalive_timeout=request_timeout_s + 1.0)
+        super().__init__(
+            handler,
+            loop=loop,
+            access_log=None,
+            keepalive_timeout=request_timeout_s + 1.0,
+            logger=request_log,
+        )
         self._ioloop = loop
         self.max_connections = max_connections
         self.request_timeout_s = request_timeout_s
@@ -146,15 +223,23 @@ class GuardedHTTPServer:
         port_flag: str = "--http-port",
         max_connections: int = 64,
         request_timeout_s: float = 10.0,
+        log_lines: int = 10,
+        log_interval_s: float = 60.0,
     ) -> None:
         """max_connections: open connections at most (the least recently active is closed past it);
         request_timeout_s: a request must begin within this many seconds of the connection opening or of
         the previous response, else the connection is closed. port_flag: named in the error when the
-        port is taken."""
+        port is taken. log_lines, log_interval_s: at most this many lines about failed requests per
+        interval, then one line counting the rest."""
         if max_connections < 1:
             raise ValueError(f"{name} server max_connections={max_connections} must be at least 1")
         if not request_timeout_s > 0:
             raise ValueError(f"{name} server request_timeout_s={request_timeout_s} must be a positive number")
+        if log_lines < 1 or not log_interval_s > 0:
+            raise ValueError(
+                f"{name} server log_lines={log_lines}, log_interval_s={log_interval_s}: need at least 1 "
+                "line per positive interval"
+            )
         self.routes = dict(routes)
         self.max_connections, self.request_timeout_s = max_connections, request_timeout_s
         self.rejected: Counter[str] = Counter()
@@ -162,6 +247,7 @@ class GuardedHTTPServer:
         self.requests: Counter[str] = Counter()
         """Requests answered, by route."""
         self._loop = uvloop.new_event_loop()  # libuv's loop, on its own thread
+        self.request_log = RequestLog(name, loop=self._loop, lines=log_lines, interval_s=log_interval_s)
         self._runner: web.ServerRunner | None = None
         self._server: _GuardedServer | None = None
         self._ready = threading.Event()
@@ -208,6 +294,7 @@ class GuardedHTTPServer:
             loop=self._loop,
             max_connections=self.max_connections,
             request_timeout_s=self.request_timeout_s,
+            request_log=self.request_log,
         )
         self._runner = web.ServerRunner(self._server, shutdown_timeout=2.0)
         await self._runner.setup()
@@ -251,7 +338,7 @@ class GuardedHTTPServer:
             self.requests[name] += 1
             return response
         except Exception as e:  # a bug, not the client's fault: say so, keep serving
-            log.exception("%s %s failed", request.method, request.path[:200])
+            self.request_log.exception("%s %s failed", request.method, request.path[:200])
             return web.json_response({"error": f"internal error: {type(e).__name__}: {e}"}, status=500)
         finally:
             server.request_finished(conn)
@@ -268,4 +355,12 @@ class GuardedHTTPServer:
         self._thread.join(timeout_s)
 
 
-__all__ = ["LISTEN_BACKLOG", "BadRequest", "GuardedHTTPServer", "Handler", "check_query", "query_int"]
+__all__ = [
+    "LISTEN_BACKLOG",
+    "BadRequest",
+    "GuardedHTTPServer",
+    "Handler",
+    "RequestLog",
+    "check_query",
+    "query_int",
+]

@@ -44,9 +44,30 @@ WRONG_ROLE = "wrong role"
 WRONG_SCOPE = "wrong scope"
 EXPIRED = "expired"
 NOT_YET_VALID = "not yet valid"
-REASONS = (UNCERTIFIED, FORGED, NOT_OPERATOR, OTHER_KEY, WRONG_ROLE, WRONG_SCOPE, EXPIRED, NOT_YET_VALID)
+FUTURE_DATED = "dated in the future"
+REASONS = (
+    UNCERTIFIED,
+    FORGED,
+    NOT_OPERATOR,
+    OTHER_KEY,
+    WRONG_ROLE,
+    WRONG_SCOPE,
+    EXPIRED,
+    NOT_YET_VALID,
+    FUTURE_DATED,
+)
 """Why a signer is not trusted, as `Untrusted.reason` names it."""
 _MAX_LOGGED = 4096
+
+
+def signed_at(body: object) -> float | None:
+    """When a signed object says it was made: `issued_at` (assignments, stop requests), `updated` (run
+    records) or `claimed_at` (term claims); None for objects that carry no such date (leases)."""
+    for name in ("issued_at", "updated", "claimed_at"):
+        value = getattr(body, name, None)
+        if isinstance(value, int | float) and not isinstance(value, bool):
+            return float(value)
+    return None
 
 
 class Untrusted(UntrustedSigner):
@@ -150,12 +171,20 @@ class OperatorTrust:
         return d
 
     def admit(self, signed: Signed[C], now: float | None = None) -> Signed[C]:
-        """`signed` if its signer may sign it (raises Untrusted naming the kind and the reason)."""
+        """`signed` if its signer may sign it and it is not dated beyond `now` + SKEW_S (raises Untrusted
+        naming the kind and the reason). The date bound is why a signer's clock cannot buy precedence:
+        the newest record, the latest assignment and a stop request are chosen by their date, and one
+        dated next year would otherwise win over everything its honest successors sign until then."""
         now = time.time() if now is None else now
+        kind = type(signed.body).__name__
         try:
             self.delegation(signed.signer, signed.body.certificate, signed.body.run_id, now)
         except Untrusted as e:
-            raise Untrusted(e.reason, f"{type(signed.body).__name__} {e}", e.why) from None
+            raise Untrusted(e.reason, f"{kind} {e}", e.why) from None
+        dated = signed_at(signed.body)
+        if dated is not None and dated > now + SKEW_S:
+            why = f"it is dated {utc(dated)}, more than {SKEW_S:.0f} s ahead of this host's clock (run NTP)"
+            raise Untrusted(FUTURE_DATED, f"{kind} signed by {signed.signer_id}: {why}", why)
         return signed
 
     def open(

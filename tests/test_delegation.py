@@ -64,6 +64,38 @@ def _refusal(signer: Identity, certificate: bytes, run_id: str = "run-a", now: f
 
 
 # --- the rule -------------------------------------------------------------------------------------
+def test_an_object_dated_beyond_the_clock_skew_is_refused_whoever_signed_it() -> None:
+    """The newest run record, the latest assignment and a stop request are chosen by their date: one
+    dated next year (the operator's own key, or a certified coordinator, a deposed one included) would win
+    over everything honest coordinators sign until then. Each kind that carries a date is refused beyond
+    SKEW_S ahead of the reader's clock, with the reason; within the skew it is admitted."""
+    coord = Identity.generate()
+    spec = RunSpec(run_id="run-a", replicas=1, stages=1, model=ModelSpec(d_model=32, n_layers=1, n_heads=2))
+    ahead = NOW + d.SKEW_S + 60
+
+    def dated(t: float, cert: bytes) -> list[object]:
+        return [
+            RunRecord(spec=spec, state="running", term=1, coordinator=coord.peer_id, updated=t, certificate=cert),
+            Assignment(run_id="run-a", term=1, epoch=1, peer_id=coord.peer_id, replica=0, stage=0, layers=[0, 1],
+                       spec=spec, issued_at=t, certificate=cert),
+            RunControl(run_id="run-a", action="stop", issued_at=t, certificate=cert),
+            TermClaim(run_id="run-a", term=1, holder=coord.peer_id, claimed_at=t, certificate=cert),
+        ]  # fmt: skip
+
+    for signer, cert in ((OPERATOR, b""), (coord, _cert(coord, expires=NOW + 300 * DAY))):
+        for body in dated(ahead, cert):
+            signed = open_envelope(seal(signer, body), type(body))
+            with pytest.raises(Untrusted, match="dated .* ahead of this host's clock") as e:
+                TRUST.admit(signed, NOW)
+            assert e.value.reason == d.FUTURE_DATED, type(body).__name__
+            refusals = RefusalLog(logging.getLogger("test"))
+            assert TRUST.filter([signed], refusals, NOW) == [] and refusals.by_reason[d.FUTURE_DATED] == 1
+        for body in dated(NOW + d.SKEW_S - 60, cert):  # a clock a few minutes ahead is still believed
+            assert TRUST.admit(open_envelope(seal(signer, body), type(body)), NOW).body == body
+    lease = Lease(run_id="run-a", term=1, holder=OPERATOR.peer_id, expires_at=NOW + DAY)
+    assert TRUST.admit(open_envelope(seal(OPERATOR, lease), Lease), NOW).body == lease  # no date of its own
+
+
 def test_the_operator_and_the_keys_it_certified_are_trusted() -> None:
     coord = Identity.generate()
     assert _refusal(OPERATOR, b"") is None  # the operator signs directly: no certificate needed

@@ -39,7 +39,6 @@ from coordinator.operator_key import (
     load_signing_key,
 )
 from protocol import keys
-from protocol.delegation import OperatorTrust, RefusalLog, issue, utc
 from protocol.identity import Identity
 from protocol.messages import ANY_RUN, MAX_DELEGATION_S, NodeAdvert, RunRecord
 from protocol.process.cli_errors import (
@@ -55,6 +54,7 @@ from protocol.process.serve_config import STORE_FLAGS, ServeConfig, store_of
 from protocol.process.settings import SettingValues, add_flags, from_args, settings_of
 from protocol.process.signals import install_stop_signals
 from protocol.runspec import check_run_id, load_run_spec
+from protocol.trust.delegation import OperatorTrust, RefusalLog, issue, utc
 
 if TYPE_CHECKING:  # hivemind and boto3 take seconds to import: only the commands that talk import them
     from protocol.net.dht_client import DHTClient
@@ -181,7 +181,12 @@ def build_parser() -> argparse.ArgumentParser:
     )
     ex.add_argument("run_id")
     ex.add_argument("--out", required=True, help="folder to write (created; files replaced)")
-    ex.add_argument("--round", type=int, default=None, help="outer round (default: the newest checkpointed)")
+    ex.add_argument(
+        "--round",
+        type=int,
+        default=None,
+        help="outer round (default: the newest round two replicas' checkpoints agree on, every stage)",
+    )
     ex.add_argument(
         "--operator-key",
         required=True,

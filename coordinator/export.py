@@ -39,13 +39,23 @@ from safetensors.torch import save_file
 
 from coordinator.lease import stored_record
 from protocol import keys
-from protocol.assignment_archive import read_archive
-from protocol.checkpoint import CheckpointRefused, list_rounds, read_round
+from protocol.checkpoint import (
+    CheckpointMissing,
+    CheckpointRefused,
+    SignedManifest,
+    anchor_sha256,
+    checkpoint_rounds,
+    checkpoint_step,
+    newest_round,
+    read_manifest,
+    read_round,
+    slot_signers,
+)
 from protocol.codecs.subspace import basis, subspace_plan, token_table
-from protocol.delegation import OperatorTrust
-from protocol.identity import public_key_of_peer_id
 from protocol.net.store import ObjectStore
 from protocol.runspec import RunSpec
+from protocol.trust.assignment_archive import read_archive
+from protocol.trust.delegation import OperatorTrust
 
 RMS_NORM_EPS = 1e-6
 """node/model.py's RMSNorm epsilon (its default; the model never passes another)."""
@@ -251,14 +261,23 @@ def stage_state(tensors: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
     return state
 
 
+MAX_EXPORT_TRIES = 8
+"""Rounds at and below the newest agreed one whose tensors `consensus_states` reads before it gives up."""
+Agreed = list[tuple[str | None, list[tuple[int, SignedManifest]]]]
+"""Anchor digest -> the (replica, manifest) pairs signing it, for the digests enough replicas sign."""
+
+
 def consensus_states(
     store: ObjectStore, run_id: str, operator: set[bytes], rnd: int | None = None
 ) -> tuple[RunSpec, int, list[dict[str, torch.Tensor]]]:
-    """(spec, round, per-stage consensus state) of `run_id` at round `rnd` (default: the newest round
-    every stage checkpointed). The spec must be signed by the operator; checkpoints by a node the
-    operator's coordinators assigned to the run (the archived assignments, earlier nodes included).
-    Any replica's checkpoint of a stage will do: the anchors are the same. Raises ValueError naming what
-    is missing."""
+    """(spec, round, per-stage consensus state) of `run_id` at round `rnd`, or by default the newest round
+    whose every stage at least two replicas' checkpoints agree on: the same anchor digest in manifests signed
+    by two different nodes, and tensors that hold it (a run of one replica: its own checkpoint). The spec must
+    be signed by the operator; a checkpoint by a node the operator's coordinators put in its slot (the
+    archived assignments, earlier nodes included), never by another slot's node. The round is found by
+    bisection over the rounds the run checkpoints (`newest_round`: no LIST, so junk under ckpt/ costs nothing).
+    A named round takes any replica's valid checkpoint of each stage. Raises ValueError naming what is
+    missing."""
     # the operator's own signature or a coordinator it certified, as of when it was signed (the run may
     # have ended after the coordinators' certificates expired)
     trust = OperatorTrust.of(operator)
@@ -267,28 +286,118 @@ def consensus_states(
         raise ValueError(f"no run {run_id!r} in the store (no {keys.spec_key(run_id)}); check the run id")
     spec = record.spec
     assigned = read_archive(store, spec, trust, as_issued=True) or []
-    peers = {a.peer_id for a in assigned} | {
-        p for a in assigned for ps in a.former_stage_peers.values() for p in ps
-    }
-    signers = {public_key_of_peer_id(p) for p in peers}
-    rounds = [rnd] if rnd is not None else sorted(list_rounds(store, run_id), reverse=True)
-    why = []
-    for r in rounds:
+    signers = [slot_signers(assigned, stage) for stage in range(spec.stages)]
+    quorum = 1 if rnd is not None or spec.replicas == 1 else 2
+    why: list[str] = []
+    seen: dict[tuple[int, int], Agreed] = {}
+
+    def agreed(stage: int, r: int) -> Agreed:
+        if (stage, r) not in seen:
+            seen[stage, r] = _agreed(store, spec, stage, r, signers[stage], quorum, why)
+        return seen[stage, r]
+
+    if rnd is not None:
+        tries = [rnd]
+    else:
+        rounds = checkpoint_rounds(spec)
+        top = newest_round(rounds, lambda r: all(agreed(stage, r) for stage in range(spec.stages)))
+        i = -1 if top is None else rounds.index(top)
+        tries = list(reversed(rounds[max(0, i + 1 - MAX_EXPORT_TRIES) : i + 1]))
+    for r in tries:
         states = []
         for stage in range(spec.stages):
-            for replica in range(spec.replicas):
-                try:
-                    ck = read_round(
-                        store, run_id=run_id, stage=stage, replica=replica, round=r, trusted=signers
-                    )
-                except CheckpointRefused as e:
-                    why.append(f"round {r} stage {stage} replica {replica}: {e}")
-                    continue
-                states.append(stage_state(ck.tensors))
+            state = _read_agreed(store, spec, stage, r, signers[stage], agreed(stage, r), why)
+            if state is None:
                 break
-            else:
-                break
+            states.append(state)
         if len(states) == spec.stages:
             return spec, r, states
     detail = "; ".join(why[-4:]) or "no checkpoints"
-    raise ValueError(f"run {run_id}: no round with a valid checkpoint of every stage ({detail})")
+    raise ValueError(
+        f"run {run_id}: no round with a valid checkpoint of every stage"
+        + (" that two replicas agree on" if quorum > 1 else "")
+        + f" ({detail})"
+        + ("; to export one replica's checkpoint anyway, name its round (--round)" if quorum > 1 else "")
+    )
+
+
+def _agreed(
+    store: ObjectStore,
+    spec: RunSpec,
+    stage: int,
+    rnd: int,
+    signers: dict[int, set[bytes]],
+    quorum: int,
+    why: list[str],
+) -> Agreed:
+    """The anchor digests of `stage` at `rnd` that `quorum` replicas' manifests sign (signed by as many
+    different nodes, each by a node of its own slot), most signers first: one manifest GET per replica, no
+    tensors. With quorum 1 every valid manifest is in one group (digest None). Reasons go to `why`."""
+    where = f"round {rnd} stage {stage}"
+    found: dict[str | None, list[tuple[int, SignedManifest]]] = {}
+    for replica in range(spec.replicas):
+        try:
+            m = read_manifest(
+                store,
+                run_id=spec.run_id,
+                stage=stage,
+                replica=replica,
+                round=rnd,
+                trusted=signers.get(replica, set()),
+            )
+        except CheckpointMissing:
+            continue
+        except CheckpointRefused as e:
+            why.append(f"{where} replica {replica}: {e}")
+            continue
+        if m.manifest.step != checkpoint_step(spec, rnd):
+            why.append(f"{where} replica {replica}: manifest is for step {m.manifest.step}")
+            continue
+        found.setdefault(m.anchor_sha256 if quorum > 1 else None, []).append((replica, m))
+    out: Agreed = []
+    for digest, group in sorted(found.items(), key=lambda kv: -len({m.signer for _, m in kv[1]})):
+        if digest is None and quorum > 1:  # written before checkpoints carried the digest
+            why.append(f"{where}: replicas {[r for r, _ in group]} carry no anchor digest (an older build)")
+        elif len({m.signer for _, m in group}) < quorum:
+            why.append(f"{where}: only replica(s) {[r for r, _ in group]} sign anchor {str(digest)[:16]}...")
+        else:
+            out.append((digest, group))
+    if not found:
+        why.append(f"{where}: no replica checkpointed it")
+    return out
+
+
+def _read_agreed(
+    store: ObjectStore,
+    spec: RunSpec,
+    stage: int,
+    rnd: int,
+    signers: dict[int, set[bytes]],
+    agreed: Agreed,
+    why: list[str],
+) -> dict[str, torch.Tensor] | None:
+    """The consensus state of `stage` at `rnd` from the first agreed checkpoint whose tensors verify and hold
+    the digest its group signs; None (reasons in `why`)."""
+    for digest, group in agreed:
+        for replica, m in group:
+            try:
+                ck = read_round(
+                    store,
+                    run_id=spec.run_id,
+                    stage=stage,
+                    replica=replica,
+                    round=rnd,
+                    trusted=signers.get(replica, set()),
+                    manifest_sha256=m.sha256,
+                )
+            except CheckpointRefused as e:
+                why.append(f"round {rnd} stage {stage} replica {replica}: {e}")
+                continue
+            if digest is not None and anchor_sha256(ck.tensors) != digest:
+                why.append(
+                    f"round {rnd} stage {stage} replica {replica}: its tensors do not hold the anchor its "
+                    "manifest signs"
+                )
+                continue
+            return stage_state(ck.tensors)
+    return None

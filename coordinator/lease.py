@@ -6,20 +6,23 @@ If-Match:<etag> of our own lease. Losing either race returns None: another coord
 the holder signs carries the term, and nodes ignore lower terms.
 
 A lease counts when the operator signed it or a coordinator it certified for the run did (the lease carries
-the holder's certificate; protocol/delegation.py): two different certified keys of one operator take the
+the holder's certificate; protocol/trust/delegation.py): two different certified keys of one operator take the
 lease over from each other, and the terms still strictly increase.
 
 Anyone with the store's credentials may write any key, so the terms a new term must exceed count only when
 a trusted coordinator signed them (`highest_term`): a term claim `{run}/terms/{term:06d}` is a sealed
-`TermClaim` of that run and term (its certificate checked as of the claim), an archive
+`TermClaim` of that run and term (its certificate checked as of the claim; `open_claim` in
+protocol/trust/run_authority.py, the nodes' reading too), an archive
 `{run}/assign/{term:06d}-{epoch:06d}` holds assignments of that run and term (checked as of their issue);
 both under a canonical name, in 1..MAX_TERM and within MAX_TERM_STEP of the highest term counted below
 them. Anything else there is ignored and counted, and a junk object at the key of the term to claim is
 replaced (If-Match), so no object a store writer can put stops a failover.
 
-Beside the lease, the run's two other objects in the store that coordinate its coordinators and its
-operator: the run record ({run}/spec, `launch`, `stored_record`) and the stop request ({run}/control,
-`request_stop`). Light imports only: `crucible-coordinator launch` and `stop` use them without torch.
+Beside the lease, the run's other objects in the store that coordinate its coordinators and its operator:
+the run record ({run}/spec, `launch`, `stored_record`), the launch itself ({run}/launch, written only by
+`launch`: nodes take a run only when the operator signed it, protocol/trust/run_authority.py) and the stop
+request ({run}/control, `request_stop`). Light imports only: `crucible-coordinator launch` and `stop` use
+them without torch.
 """
 
 from __future__ import annotations
@@ -31,13 +34,14 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
 from protocol import keys
-from protocol.assignment_archive import MAX_ARCHIVE_BYTES, decode_archive
-from protocol.delegation import OperatorTrust, RefusalLog, Untrusted
 from protocol.envelope import open_envelope, seal
 from protocol.identity import Identity
 from protocol.messages import Lease, RunControl, RunRecord, TermClaim
 from protocol.net.store import ObjectStore, ObjectTooLarge
 from protocol.schema import ProtocolError, describe
+from protocol.trust.assignment_archive import MAX_ARCHIVE_BYTES, decode_archive
+from protocol.trust.delegation import OperatorTrust, RefusalLog, Untrusted
+from protocol.trust.run_authority import MAX_CLAIM_BYTES, MAX_LEASE_BYTES, claim_refusal
 
 if TYPE_CHECKING:  # hivemind: only `launch` is handed a DHT client
     from protocol.net.dht_client import DHTClient
@@ -48,9 +52,6 @@ log = logging.getLogger(__name__)
 MAX_LEASE_S = 600.0
 """A lease claiming to run longer than this past now is not believed (treated as expired): leases are
 renewed every few seconds, so only a forged or broken one reaches that far (a year-30,000 expiry)."""
-MAX_LEASE_BYTES = 64 * 1024
-MAX_CLAIM_BYTES = 16 * 1024
-"""A term claim is about 1.4 KB with a certificate; a larger object there is junk, refused from its size."""
 MAX_TERM = 2**53 - 1
 """The highest term that counts: terms reach the dashboard and /status as JSON numbers, exact to 2**53."""
 MAX_TERM_STEP = 1024
@@ -77,23 +78,6 @@ def ignore(ignored: RefusalLog, run_id: str, key: str, reason: str, why: str) ->
         describe(key, 120),
         why,
     )
-
-
-def claim_refusal(blob: bytes, run_id: str, term: int, trust: OperatorTrust) -> tuple[str, str] | None:
-    """Why `blob` is not a claim of `term` of `run_id` by a trusted coordinator, as (reason, detail); None
-    when it is one. The signer's certificate is checked as of the claim (it may have expired since)."""
-    try:
-        signed = open_envelope(blob, TermClaim, max_bytes=MAX_CLAIM_BYTES)
-    except (ProtocolError, ValueError) as e:  # garbage, an unsigned body, a bad signature
-        return "term_claim_unsigned", f"not a signed term claim ({e})"
-    claim = signed.body
-    if claim.run_id != run_id or claim.term != term:
-        return "term_claim_mismatch", f"it claims term {claim.term} of run {describe(claim.run_id)}"
-    try:
-        trust.admit(signed, claim.claimed_at)
-    except ValueError as e:
-        return "term_claim_untrusted", str(e)
-    return None
 
 
 def _claim_counts(
@@ -318,10 +302,14 @@ def launch(
     dht: DHTClient, store: ObjectStore, identity: Identity, record: RunRecord, ttl_s: float = 60.0
 ) -> None:
     """Publish a pending run for the coordinators (signed by the operator), in the store and the DHT. A
-    stop request left from an earlier launch of the run is removed first: it would stop this one at once."""
+    stop request left from an earlier launch of the run is removed first: it would stop this one at once.
+    The launch itself stays at {run}/launch, which only this writes: nodes take the run's assignments only
+    when the operator signed it (protocol/trust/run_authority.py); {run}/spec is rewritten by its coordinators."""
     store.ensure_bucket()
     store.delete(keys.control_key(record.spec.run_id))
-    store.put(keys.spec_key(record.spec.run_id), seal(identity, record))
+    blob = seal(identity, record)
+    store.put(keys.launch_key(record.spec.run_id), blob)
+    store.put(keys.spec_key(record.spec.run_id), blob)
     dht.publish(keys.RUNS_KEY, record, ttl_s, signer=identity, name=record.spec.run_id)
 
 

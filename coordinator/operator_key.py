@@ -6,7 +6,7 @@ init` creates one (`create_operator_key`); every other command loads it (`load_o
 to start without it, naming the file and the command that creates it.
 
 The operator key need not sit on a coordinator host: `crucible-coordinator certify` signs a certificate for
-a coordinator's own key (protocol/delegation.py), and `serve --key-file --certificate` loads that key and
+a coordinator's own key (protocol/trust/delegation.py), and `serve --key-file --certificate` loads that key and
 checks the certificate here before it starts (`load_signing_key`, `load_certificate`).
 """
 
@@ -16,10 +16,10 @@ import os
 import time
 from pathlib import Path
 
-from protocol.delegation import OperatorTrust, Untrusted, read_certificate
 from protocol.identity import Identity, peer_id_of
 from protocol.messages import MAX_CERTIFICATE_BYTES
 from protocol.process.cli_errors import bad_input
+from protocol.trust.delegation import OperatorTrust, Untrusted, read_certificate
 
 DEFAULT_OPERATOR_KEY_FILE = "~/.crucible/operator.key"
 """Where `init` writes the key and the other commands read it when --operator-key-file is not given."""

@@ -22,11 +22,11 @@ from coordinator.placement import (
 )
 from coordinator.run_figures import prediction_view
 from coordinator.run_publisher import RunPublisher
-from protocol.assignment_archive import read_archive
 from protocol.checkpoint import list_rounds
-from protocol.delegation import OperatorTrust
 from protocol.messages import Assignment, NodeAdvert
 from protocol.net.store import ObjectStore, StoreError
+from protocol.trust.assignment_archive import read_archive
+from protocol.trust.delegation import OperatorTrust
 
 log = logging.getLogger("coordinator.service")  # the coordinator's lines, under the one name they had
 

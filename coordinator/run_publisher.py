@@ -11,12 +11,12 @@ from dataclasses import replace
 
 from coordinator.managed_run import ACTIVE, ManagedRun, RunFaults
 from protocol import keys
-from protocol.assignment_archive import encode_archive
 from protocol.envelope import seal
 from protocol.identity import Identity
 from protocol.messages import MAX_FORMER_PEERS, MAX_TEXT, Assignment, Endpoint, NodeAdvert
 from protocol.net.dht_client import DHTClient, dht_time
 from protocol.net.store import ObjectStore, StoreError
+from protocol.trust.assignment_archive import encode_archive
 
 log = logging.getLogger("coordinator.service")  # the coordinator's lines, under the one name they had
 

@@ -26,12 +26,12 @@ from coordinator.run_publisher import RunPublisher
 from coordinator.run_views import node_view, run_view
 from coordinator.run_watch import RunWatch
 from protocol import keys
-from protocol.delegation import OperatorTrust, RefusalLog, Untrusted
 from protocol.identity import Identity
 from protocol.messages import NodeAdvert, RunControl, RunRecord
 from protocol.net.dht_client import DHTClient
 from protocol.net.store import ObjectStore, StoreError
 from protocol.schema import ProtocolError
+from protocol.trust.delegation import OperatorTrust, RefusalLog, Untrusted
 
 log = logging.getLogger(__name__)
 

@@ -92,7 +92,7 @@ class NodeConfig:
         required=True,
         check=optional(peer_id),
     )
-    """With the coordinator keys it certified (protocol/delegation.py); `crucible-node join` and the daemon
+    """With the coordinator keys it certified (protocol/trust/delegation.py); `crucible-node join` and the daemon
     refuse to start without it."""
     price_per_hour: float = setting(
         0.0,

@@ -31,8 +31,7 @@ from node.preflight import refuse_if_taken, refuse_live_twin
 from node.probe import device_name, measure_reference_block, measure_store_mbps, measure_tflops, memory_gb
 from node.worker import LN2, StageWorker, WorkerMetrics
 from protocol import keys
-from protocol.assignment_archive import MAX_ARCHIVE_BYTES, decode_archive
-from protocol.delegation import OperatorTrust, RefusalLog
+from protocol.envelope import Signed
 from protocol.identity import Identity, public_key_of_peer_id
 from protocol.memory import GB, fits, stage_memory
 from protocol.messages import (
@@ -44,6 +43,9 @@ from protocol.net.dht_client import DHTClient, dht_time
 from protocol.net.store import ObjectStore, StoreError
 from protocol.process.metrics import render
 from protocol.schema import ProtocolError
+from protocol.trust.assignment_archive import MAX_ARCHIVE_BYTES, open_archive
+from protocol.trust.delegation import OperatorTrust, RefusalLog, Untrusted
+from protocol.trust.run_authority import RunAuthority
 
 log = logging.getLogger(__name__)
 VERSION = "0.1.0"
@@ -80,14 +82,20 @@ def _same_slot(a: Assignment, b: Assignment) -> bool:
 class AssignmentSource:
     """Which of this node's signed assignments in the DHT it may act on.
 
-    Within a run assignments are ordered by (term, epoch). A coordinator moves to a new epoch whenever it
+    First, who may direct the run (`proven`, protocol/trust/run_authority.py): an assignment counts only when the
+    operator launched its run and its signer holds the store's lease of its term, issued within that
+    lease; a certified key's higher term, a deposed leader's lower one, an assignment of a run never
+    launched are refused, naming why, and the node follows the lease holder's. Then, among those, within
+    a run assignments are ordered by (term, epoch). A coordinator moves to a new epoch whenever it
     re-places (a replica rebuilt, a replica dropping out) and issues every slot that goes on at that
     (term, epoch); a taker-over re-issues them all under its higher term. A slot left out (its replica
     dropped out, its node was replaced) keeps its older assignment in the DHT, republished while the run
     is active, and in the archives the coordinators write to the store ({run}/assign/{term}-{epoch}). So,
-    with A the trusted assignments of the run in those archives,
+    with A the assignments of the run in those archives signed by a.term's leader (a's signer),
 
-        current(a)  <=>  state(run) not in ENDED  and  no b in A has (b.term, b.epoch) > (a.term, a.epoch)
+        current(a)  <=>  state(run) not in ENDED  and  no b in A has b.term = a.term, b.epoch > a.epoch
+
+    (a newer term is no proven one while a's term holds the lease: archives of other terms say nothing)
 
     and a node acts only on a current assignment: one restarted after its replica dropped out (it holds
     nothing to compare with) does not start its old slot again, nor the slot of a run that is over.
@@ -99,8 +107,15 @@ class AssignmentSource:
         self, peer_id: str, dht: DHTClient, store: ObjectStore, trust: OperatorTrust, refusals: RefusalLog
     ) -> None:
         self.peer_id, self.dht, self.store, self.trust, self.refusals = peer_id, dht, store, trust, refusals
+        self.authority = RunAuthority(store, trust)
+        self._proofs: dict[tuple[str, int, int, float, bytes], str | None] = {}
+        """(run, term, epoch, issued_at, signer) -> why that assignment is refused (None: it is proven)."""
+        self._leaders: dict[tuple[str, int], bytes] = {}
+        """(run, term) -> the key proven to hold that term's lease."""
         self._stale: dict[tuple[str, int, int, float], str] = {}
         """(run, term, epoch, issued_at) -> why that assignment is not current."""
+        self._enders: dict[tuple[str, bytes, float], bool] = {}
+        """(run, signer, updated) of a record ending its run -> whether its signer may end it."""
         self.last_ignored: dict | None = None
         """The last assignment found not current and why, for /status."""
         self._older_said: set[tuple[int, int, float]] = set()
@@ -121,18 +136,58 @@ class AssignmentSource:
                         held.epoch,
                     )
 
+    def signed(self) -> list[Signed[Assignment]]:
+        """This node's assignments in the DHT that a trusted key signed, with their signers."""
+        found = self.trust.filter(
+            self.dht.get_all(keys.assignment_key(self.peer_id), Assignment).values(), self.refusals
+        )
+        for s in found:
+            if s.body.peer_id != self.peer_id:
+                log.warning("ignoring assignment for %s found under this node's key", s.body.peer_id)
+        return [s for s in found if s.body.peer_id == self.peer_id]
+
     def found(self) -> list[Assignment]:
         """This node's assignments in the DHT that a trusted key signed."""
-        found = [
-            s.body
-            for s in self.trust.filter(
-                self.dht.get_all(keys.assignment_key(self.peer_id), Assignment).values(), self.refusals
-            )
-        ]
-        for a in found:
-            if a.peer_id != self.peer_id:
-                log.warning("ignoring assignment for %s found under this node's key", a.peer_id)
-        return [a for a in found if a.peer_id == self.peer_id]
+        return [s.body for s in self.signed()]
+
+    def proven(self, signed: list[Signed[Assignment]]) -> list[Assignment]:
+        """The assignments of `signed` whose signer directs their run now (`RunAuthority.check`); each
+        refusal is logged once per signer and reason, counted by reason and shown in /status. Judged once
+        per assignment (a store that does not answer judges nothing: asked again at the next poll)."""
+        out = []
+        for s in signed:
+            a = s.body
+            key = (a.run_id, a.term, a.epoch, a.issued_at, s.signer)
+            if key not in self._proofs:
+                try:
+                    self.authority.check(s)
+                    why = None
+                except Untrusted as e:
+                    why = e.why
+                    self.refusals.note(s.signer_id, e)
+                    self._ignored(a, why)
+                except StoreError as e:
+                    log.info("run %s: cannot judge an assignment now: %s", a.run_id, e)
+                    continue
+                if len(self._proofs) >= MAX_JUDGED:
+                    self._proofs.clear()
+                    self._leaders.clear()
+                self._proofs[key] = why
+                if why is None:
+                    self._leaders[(a.run_id, a.term)] = s.signer
+            if self._proofs[key] is None:
+                out.append(a)
+        return out
+
+    def _ignored(self, a: Assignment, why: str) -> None:
+        self.last_ignored = {
+            "run_id": a.run_id,
+            "term": a.term,
+            "epoch": a.epoch,
+            "replica": a.replica,
+            "stage": a.stage,
+            "reason": why,
+        }
 
     @staticmethod
     def newest(found: list[Assignment]) -> list[Assignment]:
@@ -146,21 +201,49 @@ class AssignmentSource:
         return sorted(best.values(), key=lambda a: -a.issued_at)
 
     def run_state(self, run_id: str) -> str | None:
-        """The run's state in its newest trusted record in the DHT (None: no record)."""
-        recs = [
-            s.body
-            for s in self.trust.filter(self.dht.get_all(keys.RUNS_KEY, RunRecord).values(), self.refusals)
-            if s.body.spec.run_id == run_id
-        ]
-        return max(recs, key=lambda r: r.updated).state if recs else None
+        """The run's state in its newest trusted record in the DHT (None: no record). A record that ends the
+        run counts only when the operator or the run's lease holder signed it: a certified key that does
+        not lead the run (a deposed leader) cannot stop its nodes."""
+        found = self.trust.filter(self.dht.get_all(keys.RUNS_KEY, RunRecord).values(), self.refusals)
+        recs = sorted((s for s in found if s.body.spec.run_id == run_id), key=lambda s: -s.body.updated)
+        for s in recs:
+            if s.body.state not in ENDED or self._may_end(s):
+                return s.body.state
+        return None
+
+    def _may_end(self, s: Signed[RunRecord]) -> bool:
+        """Whether `s`, a record ending its run, was signed by the operator or the run's lease holder
+        (judged once per record; a store that does not answer judges it not, for now)."""
+        if s.signer in self.trust.operators:
+            return True
+        rec = s.body
+        key = (rec.spec.run_id, s.signer, rec.updated)
+        if key not in self._enders:
+            try:
+                self.authority.check_holder(rec.spec.run_id, s.signer_id)
+                ok = True
+            except Untrusted as e:
+                why = f"RunRecord of run {rec.spec.run_id} ({rec.state}) signed by {s.signer_id}: {e.why}"
+                self.refusals.note(s.signer_id, Untrusted(e.reason, why, e.why))
+                ok = False
+            except StoreError as e:
+                log.info("run %s: cannot judge its %s record now: %s", rec.spec.run_id, rec.state, e)
+                return False
+            if len(self._enders) >= MAX_JUDGED:
+                self._enders.clear()
+            self._enders[key] = ok
+        return self._enders[key]
 
     def newer_in_archive(self, a: Assignment) -> tuple[int, int] | None:
-        """The (term, epoch) of a trusted assignment of `a`'s run newer than `a`, from the store's
-        archives (None: none is)."""
+        """The (term, epoch) of an assignment of `a`'s run at `a`'s term and a newer epoch, signed by that
+        term's leader (any trusted key while none is proven), from the store's archives (None: none is)."""
+        leader = self._leaders.get((a.run_id, a.term))
         newer = sorted(
             (slot, key)
             for key in self.store.list(keys.assign_prefix(a.run_id))
-            if (slot := keys.parse_assign_key(a.run_id, key)) is not None and slot > (a.term, a.epoch)
+            if (slot := keys.parse_assign_key(a.run_id, key)) is not None
+            and slot[0] == a.term
+            and slot[1] > a.epoch
         )
         for _, key in reversed(newer[-ARCHIVE_READS:]):
             try:
@@ -168,15 +251,30 @@ class AssignmentSource:
                 if blob is None:
                     continue
                 slots = [
-                    (b.term, b.epoch)
-                    for b in decode_archive(blob, self.trust)
-                    if b.run_id == a.run_id and (b.term, b.epoch) > (a.term, a.epoch)
+                    (b.body.term, b.body.epoch)
+                    for b in open_archive(blob, self.trust)
+                    if b.body.run_id == a.run_id
+                    and (b.body.term, b.body.epoch) > (a.term, a.epoch)
+                    and leader in (None, b.signer)
                 ]
             except (StoreError, ProtocolError, ValueError) as e:  # ValueError: a bad signature
                 log.info("run %s: ignoring assignment archive %s: %s", a.run_id, key, e)
                 continue
             if slots:
                 return max(slots)
+        return None
+
+    def pick(self, held: Assignment | None) -> Assignment | None:
+        """The assignment to act on now when one is newer than `held` (None: carry on as before): of the
+        proven ones, the most recently issued current one; a release (stage -1) is taken as it is."""
+        signed = self.signed()
+        if held is not None:
+            self.say_older([s.body for s in signed], held)
+        for a in self.newest(self.proven(signed)):
+            if held is not None and a.run_id == held.run_id and (a.term, a.epoch) <= (held.term, held.epoch):
+                return None
+            if a.stage == -1 or self.why_not_current(a) is None:
+                return a
         return None
 
     def why_not_current(self, a: Assignment) -> str | None:
@@ -198,14 +296,7 @@ class AssignmentSource:
             if len(self._stale) >= MAX_JUDGED:
                 self._stale.clear()
             self._stale[key] = why
-            self.last_ignored = {
-                "run_id": a.run_id,
-                "term": a.term,
-                "epoch": a.epoch,
-                "replica": a.replica,
-                "stage": a.stage,
-                "reason": why,
-            }
+            self._ignored(a, why)
             log.info(
                 "ignoring the assignment of run %s replica %d stage %d (term %d, epoch %d): %s",
                 a.run_id,
@@ -233,7 +324,7 @@ class NodeDaemon:
             self.device, self._device_claim = resolve_device(cfg.device)
         except DeviceError as e:
             raise ValueError(str(e)) from e
-        # the operator's key and the coordinator keys it certified (protocol/delegation.py); refusals are
+        # the operator's key and the coordinator keys it certified (protocol/trust/delegation.py); refusals are
         # logged once per signer and reason
         self.trust = OperatorTrust.of({public_key_of_peer_id(cfg.operator_key)})
         self.refusals = RefusalLog(log)
@@ -262,7 +353,9 @@ class NodeDaemon:
                 raise
             # hellos addressed to us only
             self.shaper = Shaper(bandwidth_mbps=cfg.emulate_mbps, delay_ms=cfg.emulate_delay_ms)
-            self.acceptor = Acceptor(self.server, peer_id=self.identity.peer_id, probe_shaper=self.shaper)
+            self.acceptor = Acceptor(  # trust: only neighbours a trusted assignment names are held
+                self.server, peer_id=self.identity.peer_id, probe_shaper=self.shaper, trust=self.trust
+            )
             undo.callback(self.acceptor.close)
             try:
                 self.dht = DHTClient(identity, bootstrap=cfg.bootstrap, host=cfg.host, port=cfg.dht_port)
@@ -430,19 +523,10 @@ class NodeDaemon:
     def _poll_assignment(self) -> Assignment | None:
         """The assignment to act on now, if it differs from the one held (AssignmentSource: current ones
         only); None to carry on as before."""
-        mine = self.source.found()
         cur = self.assignment
-        if cur is not None:
-            self.source.say_older(mine, cur)
-        for a in self.source.newest(mine):  # the most recently issued current one
-            if cur is not None and a.run_id == cur.run_id and (a.term, a.epoch) <= (cur.term, cur.epoch):
-                return None
-            if a.stage == -1:  # released by the coordinator
-                return a
-            if self.source.why_not_current(a) is None:
-                break
-        else:
-            return None
+        a = self.source.pick(cur)
+        if a is None or a.stage == -1:  # nothing newer, or released by the coordinator
+            return a
         if (
             cur is not None
             and self._worker is not None
@@ -489,6 +573,7 @@ class NodeDaemon:
             device=self.device,
             compile=self.cfg.compile,
             node_shaper=self.shaper,
+            operator=self.trust,
         )
 
         def run() -> None:

@@ -27,6 +27,7 @@ from node.inner_step import (
 )
 from node.model import Stage, build_stage
 from node.pipeline.acceptor import Acceptor
+from node.pipeline.hello_proof import find_sealed
 from node.pipeline.schedule import PipelineStage, StepStats
 from node.pipeline.transport import Link, Shaper, connect
 from node.subspace_model import boundary_codecs, confinement, constrain_stage, project_weights_
@@ -40,6 +41,7 @@ from protocol.framing import encode_frame
 from protocol.identity import Identity
 from protocol.messages import Assignment, Hello
 from protocol.net.store import ObjectStore
+from protocol.trust.delegation import OperatorTrust
 
 log = logging.getLogger(__name__)
 LN2 = math.log(2)
@@ -148,9 +150,11 @@ class StageWorker:
         device: torch.device | None = None,
         compile: bool = True,
         node_shaper: Shaper | None = None,
+        operator: OperatorTrust | None = None,
     ) -> None:
         """device: where the stage trains (default CPU); compile: torch.compile the stage on CUDA;
-        node_shaper: the node's emulated link (--emulate-mbps), applied to its links' sends."""
+        node_shaper: the node's emulated link (--emulate-mbps), applied to its links' sends; operator: who
+        signs the run's assignments (a resuming first stage reads the later stages' signers from them)."""
         self.node_shaper = node_shaper or Shaper()
         self.device = device or torch.device("cpu")
         self.compile = compile
@@ -167,7 +171,7 @@ class StageWorker:
         self._aborted = threading.Event()
         self.next: Link | None = None
         self._resume: Checkpoint | None = None
-        self.checkpoints = StageCheckpoints(store, identity, assignment, should_stop)
+        self.checkpoints = StageCheckpoints(store, identity, assignment, should_stop, operator)
 
     # --- set-up -----------------------------------------------------------------------------------
     def _shaper(self) -> Shaper:
@@ -201,6 +205,7 @@ class StageWorker:
             self._resume = self.checkpoints.latest()
             start = self._resume.step if self._resume is not None else 0
         if a.next is not None:
+            proof = find_sealed(self.store, a)  # our signed assignment: the next node holds only neighbours
             sock = connect(
                 a.next.host, a.next.port, timeout_s=self.connect_timeout_s, cancelled=self._cancelled
             )
@@ -214,6 +219,7 @@ class StageWorker:
                 start_step=start,
                 to_peer_id=a.next.peer_id,  # bound to the recipient and the time: not replayable elsewhere
                 sent_at=time.time(),
+                assignment=proof,
             )
             sock.sendall(encode_frame(seal(self.identity, hello_out)))
             self.next = Link(sock, f"{a.next.peer_id[-8:]} (stage {a.stage + 1})", shaper=self._shaper())
@@ -239,7 +245,8 @@ class StageWorker:
         self, stage_peers: dict[str, str], former: dict[str, list[str]] | None = None
     ) -> None:
         """A replica elsewhere was rebuilt with a new node: trust its signer from now on (no restart); the
-        node it replaced stays a signer of the rounds it took part in."""
+        node it replaced stays a signer of the rounds it took part in. Checkpoints bind each to its slot."""
+        self.checkpoints.set_stage_peers(stage_peers, former)
         if self.sync is not None:
             self.sync.set_stage_peers(
                 {int(r): p for r, p in stage_peers.items()},
@@ -353,6 +360,8 @@ class StageWorker:
             alpha=spec.sync.alpha,
             momentum=parts.momentum,
             timeout_s=spec.sync.timeout_s,
+            quorum=spec.sync.quorum,
+            cancelled=self._cancelled,  # a stop or reassignment ends a wait for a quorum
             local=local,
             checkpoints=self.checkpoints,
             checkpoint_every=spec.sync.checkpoint_every,

@@ -26,6 +26,13 @@ is tried, down to none (None). Rounds listed above the pointer's are tried befor
 saves a LIST, and an older, validly signed pointer put back by someone with store access must not turn
 the run back to its round. A store that cannot be reached raises StoreError instead: an outage
 must not silently roll a node back to an older checkpoint.
+
+Which slot a signer may write, and which rounds a resume or an export takes (docs/reliability.md, issue 21),
+is decided by the readers (node/sync/stage_checkpoints.py, coordinator/export.py) from the pieces here:
+`slot_signers` (the nodes the signed assignments put in a slot), `checkpoint_rounds` (the rounds a run
+checkpoints at all), `newest_round` (a bisection over them: no LIST, junk folders cost nothing),
+`read_manifest` (check 2 without the tensors) and the anchor digest every writer puts in `meta`
+(`ANCHOR_META`), which two replicas' checkpoints of one round share.
 """
 
 from __future__ import annotations
@@ -35,7 +42,8 @@ import logging
 import os
 import tempfile
 import time
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Iterable, Mapping, Sequence
+from contextlib import suppress
 from dataclasses import dataclass, replace
 from typing import Any
 
@@ -44,8 +52,8 @@ from safetensors.torch import load_file, save_file
 
 from protocol import keys
 from protocol.envelope import open_envelope, seal
-from protocol.identity import Identity, SignatureError, peer_id_of
-from protocol.messages import CheckpointManifest, CheckpointPointer
+from protocol.identity import Identity, SignatureError, peer_id_of, public_key_of_peer_id
+from protocol.messages import Assignment, CheckpointManifest, CheckpointPointer
 from protocol.net.store import (
     DEFAULT_PART_BYTES,
     ObjectChanged,
@@ -54,6 +62,7 @@ from protocol.net.store import (
     StoreError,
     check_part_bytes,
 )
+from protocol.runspec import RunSpec
 from protocol.schema import ProtocolError, describe
 
 log = logging.getLogger(__name__)
@@ -62,6 +71,9 @@ MAX_MANIFEST_BYTES = 64 << 10
 """Largest manifest envelope read: MAX_META_ENTRIES entries of 256-character keys and strings fit in 40 KB."""
 MAX_POINTER_BYTES = 4 << 10
 """Largest LATEST pointer envelope read (one is about 400 bytes)."""
+ANCHOR_META = "anchor_sha256"
+"""The `meta` entry holding `anchor_sha256` of the checkpoint's tensors: replicas compare it across slots
+before a byte of the tensors moves."""
 
 
 class CheckpointRefused(ProtocolError):
@@ -111,6 +123,97 @@ class Checkpoint:
     @property
     def meta(self) -> dict[str, int | float | str]:
         return self.manifest.meta
+
+
+@dataclass(frozen=True)
+class SignedManifest:
+    """A manifest that passed check 2 (module docstring), its tensors not yet fetched."""
+
+    manifest: CheckpointManifest
+    signer: bytes
+    sha256: str
+    """sha256 of the manifest envelope as stored: what a LATEST pointer names, and what pins `read_round`."""
+    key: str
+    """Where it was read."""
+
+    @property
+    def anchor_sha256(self) -> str | None:
+        """The anchor digest its writer signed (`ANCHOR_META`); None from a build before it was written."""
+        value = self.manifest.meta.get(ANCHOR_META)
+        return value if isinstance(value, str) else None
+
+
+# --- which slots and rounds count ------------------------------------------------------------------
+
+
+def slot_signers(assignments: Iterable[Assignment], stage: int) -> dict[int, set[bytes]]:
+    """Replica -> the public keys that may sign stage `stage`'s checkpoints of that replica: the nodes the
+    signed `assignments` put in that slot, now or earlier in the run (each one's own node, `stage_peers`,
+    `former_stage_peers`). A node of another slot is never a signer of this one; a peer id naming no key is
+    skipped."""
+    out: dict[int, set[bytes]] = {}
+    for a in assignments:
+        if a.stage == stage:
+            add_slot_signers(out, {str(a.replica): [a.peer_id]}, a.former_stage_peers)
+            add_slot_signers(out, {r: [p] for r, p in a.stage_peers.items()})
+    return out
+
+
+def add_slot_signers(
+    out: dict[int, set[bytes]], *slots: Mapping[str, Iterable[str]]
+) -> dict[int, set[bytes]]:
+    """Add to `out` (replica -> keys) the peers of each {replica index: peer ids} mapping, as assignments
+    spell them (`stage_peers` values wrapped in lists, `former_stage_peers`); returns `out`."""
+    for mapping in slots:
+        for r, peers in mapping.items():
+            for peer in peers:
+                with suppress(ProtocolError):
+                    out.setdefault(int(r), set()).add(public_key_of_peer_id(peer))
+    return out
+
+
+def checkpoint_rounds(spec: RunSpec) -> range:
+    """Every round `spec` checkpoints, ascending: the multiples of sync.checkpoint_every whose checkpoint
+    step (`checkpoint_step`) is within train.total_steps. No honest writer puts one anywhere else, so a
+    reader asks the store about no other round."""
+    every = spec.sync.checkpoint_every
+    if every <= 0:
+        return range(0)
+    return range(every, spec.sync.schedule().round_at(spec.train.total_steps) + 1, every)
+
+
+def checkpoint_step(spec: RunSpec, rnd: int) -> int | None:
+    """The inner step at which round `rnd`'s checkpoint is taken, rnd H + tau (its last fragment applied);
+    None if `spec` does not checkpoint that round (`checkpoint_rounds`)."""
+    schedule = spec.sync.schedule()
+    return rnd * schedule.H + schedule.tau if rnd in checkpoint_rounds(spec) else None
+
+
+def newest_round(rounds: Sequence[int], counts: Callable[[int], bool]) -> int | None:
+    """The highest of `rounds` (ascending) that `counts`, by bisection: about log2(len(rounds)) + 1 calls,
+    however many rounds there are and whatever else lies under `{run}/ckpt/`. The rounds that count are taken
+    to be a prefix, as honest writers make them (each round's checkpoint follows the previous one's); a gap
+    (an upload that failed, a checkpoint deleted) can make it answer a round below the gap, never one that
+    does not count. None when none does."""
+    lo, hi = -1, len(rounds) - 1  # rounds[lo] counts (lo = -1: none known to); the answer is in [lo, hi]
+    while lo < hi:
+        mid = (lo + hi + 1) // 2
+        if counts(rounds[mid]):
+            lo = mid
+        else:
+            hi = mid - 1
+    return rounds[lo] if lo >= 0 else None
+
+
+def anchor_sha256(tensors: Mapping[str, torch.Tensor]) -> str:
+    """sha256 over the "anchor.*" entries (the consensus, bit-identical on every replica at a round) in name
+    order: each name, dtype, shape and bytes, wherever the tensors live."""
+    h = hashlib.sha256()
+    for name in sorted(n for n in tensors if n.startswith("anchor.")):
+        t = tensors[name].detach().to("cpu").contiguous()
+        h.update(f"{name}|{t.dtype}|{tuple(t.shape)}|".encode())
+        h.update(t.reshape(-1).view(torch.uint8).numpy().tobytes())
+    return h.hexdigest()
 
 
 # --- write ------------------------------------------------------------------------------------------
@@ -239,6 +342,52 @@ def list_rounds(store: ObjectStore, run_id: str) -> list[int]:
     return sorted({r for r in found if r is not None})
 
 
+def read_manifest(
+    store: ObjectStore,
+    *,
+    run_id: str,
+    stage: int,
+    replica: int,
+    round: int,
+    trusted: set[bytes] | None,
+) -> SignedManifest:
+    """The manifest of (run_id, stage, replica) at `round`, verified (module docstring, check 2) but its
+    tensors not fetched: one GET of at most MAX_MANIFEST_BYTES. trusted: the keys that may sign this slot;
+    None takes any valid signature (for a reader that cannot know the slot's signers: the fields are still
+    checked).
+
+    Raises CheckpointMissing (no manifest), CheckpointRefused (a check failed) or StoreError."""
+    mkey = keys.ckpt_manifest_key(run_id, rnd=round, stage=stage, replica=replica)
+    try:
+        blob = store.get(mkey, max_bytes=MAX_MANIFEST_BYTES)
+    except ObjectTooLarge as e:
+        raise CheckpointRefused(mkey, f"manifest is not a manifest: {e}") from e
+    if blob is None:
+        raise CheckpointMissing(mkey, "no manifest: no checkpoint at this round, or its write never finished")
+    try:
+        signed = open_envelope(blob, CheckpointManifest, max_bytes=MAX_MANIFEST_BYTES)
+    except (ProtocolError, SignatureError) as e:
+        raise CheckpointRefused(mkey, f"manifest does not verify: {e}") from e
+    if trusted is not None:
+        _check_signer(mkey, "manifest", signed.signer, trusted, stage, replica)
+    m = signed.body
+    want: dict[str, Any] = {
+        "run_id": run_id,
+        "stage": stage,
+        "replica": replica,
+        "round": round,
+        "tensors_key": keys.ckpt_tensors_key(run_id, rnd=round, stage=stage, replica=replica),
+    }
+    for name, value in want.items():
+        if getattr(m, name) != value:
+            raise CheckpointRefused(
+                mkey,
+                f"manifest is for {name}={describe(getattr(m, name))}, not {describe(value)}: a validly signed "
+                "manifest of another checkpoint copied here",
+            )
+    return SignedManifest(manifest=m, signer=signed.signer, sha256=hashlib.sha256(blob).hexdigest(), key=mkey)
+
+
 def read_round(
     store: ObjectStore,
     *,
@@ -261,33 +410,9 @@ def read_round(
     StoreError (the store could not be asked)."""
     mkey = keys.ckpt_manifest_key(run_id, rnd=round, stage=stage, replica=replica)
     tkey = keys.ckpt_tensors_key(run_id, rnd=round, stage=stage, replica=replica)
-    try:
-        blob = store.get(mkey, max_bytes=MAX_MANIFEST_BYTES)
-    except ObjectTooLarge as e:
-        raise CheckpointRefused(mkey, f"manifest is not a manifest: {e}") from e
-    if blob is None:
-        raise CheckpointMissing(mkey, "no manifest: no checkpoint at this round, or its write never finished")
-    try:
-        signed = open_envelope(blob, CheckpointManifest, max_bytes=MAX_MANIFEST_BYTES)
-    except (ProtocolError, SignatureError) as e:
-        raise CheckpointRefused(mkey, f"manifest does not verify: {e}") from e
-    _check_signer(mkey, "manifest", signed.signer, trusted, stage, replica)
-    m = signed.body
-    want: dict[str, Any] = {
-        "run_id": run_id,
-        "stage": stage,
-        "replica": replica,
-        "round": round,
-        "tensors_key": tkey,
-    }
-    for name, value in want.items():
-        if getattr(m, name) != value:
-            raise CheckpointRefused(
-                mkey,
-                f"manifest is for {name}={describe(getattr(m, name))}, not {describe(value)}: a validly signed "
-                "manifest of another checkpoint copied here",
-            )
-    if manifest_sha256 is not None and (got := hashlib.sha256(blob).hexdigest()) != manifest_sha256:
+    signed = read_manifest(store, run_id=run_id, stage=stage, replica=replica, round=round, trusted=trusted)
+    m = signed.manifest
+    if manifest_sha256 is not None and (got := signed.sha256) != manifest_sha256:
         raise CheckpointRefused(
             mkey,
             f"manifest sha256 {got[:16]}... is not the {manifest_sha256[:16]}... the LATEST pointer vouches "

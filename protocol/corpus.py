@@ -133,6 +133,10 @@ def parse_manifest(data: bytes, where: str) -> list[ShardEntry]:
             ) from e
         if not isinstance(name, str) or not isinstance(sha, str):
             raise ManifestError(f"{where} line {i}: name and sha256 must be strings")
+        if isinstance(size, int) and size > 2**63 - 1:  # no file is larger; the node divides sums by 1e9
+            raise ManifestError(
+                f"{where} line {i}: size {describe(size)} is more than a file holds (2^63 - 1)"
+            )
         entries.append(ShardEntry(name=name, size=size, sha256=sha))
     try:
         canonical = manifest_bytes(entries)

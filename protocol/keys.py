@@ -40,6 +40,12 @@ def spec_key(run: str) -> str:
     return f"{run}/spec"
 
 
+def launch_key(run: str) -> str:
+    """The run's launch as `launch` signed it (RunRecord): nodes take the run only when it is the operator's
+    (protocol/trust/run_authority.py); {run}/spec is rewritten by the coordinators."""
+    return f"{run}/launch"
+
+
 def lease_key(run: str) -> str:
     return f"{run}/lease"
 
@@ -54,7 +60,7 @@ def term_key(run: str, term: int) -> str:
 
 
 def assign_prefix(run: str) -> str:
-    """Where the run's assignment archives are (protocol/assignment_archive.py)."""
+    """Where the run's assignment archives are (protocol/trust/assignment_archive.py)."""
     return f"{run}/assign/"
 
 
@@ -102,7 +108,7 @@ def slot_prefix(run: str, stage: int, frag: int, rnd: int, replica: int) -> str:
 
 
 def round_record_key(run: str, stage: int, frag: int, rnd: int) -> str:
-    """The agreed set of one round (a signed RoundRecord), written once by the replica that settles it."""
+    """Where builds before issue 21 wrote a round's agreed set (a signed RoundRecord); read by nobody now."""
     return f"{sync_prefix(run, stage, frag, rnd)}record"
 
 

@@ -36,7 +36,7 @@ MAX_FORMER_PEERS = 64
 MAX_REPLICAS = 1 << 16
 """RunSpec's bound on R."""
 MAX_CERTIFICATE_BYTES = 1024
-"""A sealed Delegation (protocol/delegation.py) is about 300 bytes."""
+"""A sealed Delegation (protocol/trust/delegation.py) is about 300 bytes."""
 MAX_DELEGATION_S = 366 * 86400.0
 """Longest a certificate may be valid: expiry is its only revocation, so none outlives a year."""
 ANY_RUN = "*"
@@ -182,7 +182,7 @@ class RunRecord:
     reason: str = ""
     """Why the run failed (the nodes' reported errors), for `status` and `--watch`."""
     certificate: bytes = b""
-    """The signer's certificate (a Delegation sealed by the operator's key, protocol/delegation.py) when a
+    """The signer's certificate (a Delegation sealed by the operator's key, protocol/trust/delegation.py) when a
     coordinator key signed this; empty when the operator's key signed it itself."""
     dashboard: str = ""
     """URL of the leading coordinator's dashboard (`status` prints it); empty when it serves none."""
@@ -231,7 +231,7 @@ class Assignment:
     churn). Their fragments of past rounds, listed in an agreed round record, are still that slot's: a
     rebuilt replica replaying those rounds applies exactly what the others applied."""
     certificate: bytes = b""
-    """The signer's certificate (a Delegation sealed by the operator's key, protocol/delegation.py) when a
+    """The signer's certificate (a Delegation sealed by the operator's key, protocol/trust/delegation.py) when a
     coordinator key signed this; empty when the operator's key signed it itself."""
 
     def __post_init__(self) -> None:
@@ -283,7 +283,7 @@ class Lease:
     holder: str
     expires_at: float
     certificate: bytes = b""
-    """The signer's certificate (a Delegation sealed by the operator's key, protocol/delegation.py) when a
+    """The signer's certificate (a Delegation sealed by the operator's key, protocol/trust/delegation.py) when a
     coordinator key signed this; empty when the operator's key signed it itself."""
 
     def __post_init__(self) -> None:
@@ -323,7 +323,7 @@ class RunControl:
     action: Literal["stop"]
     issued_at: float
     certificate: bytes = b""
-    """The signer's certificate (a Delegation sealed by the operator's key, protocol/delegation.py) when a
+    """The signer's certificate (a Delegation sealed by the operator's key, protocol/trust/delegation.py) when a
     coordinator key signed this; empty when the operator's key signed it itself."""
 
     def __post_init__(self) -> None:
@@ -336,7 +336,7 @@ class RunControl:
 class Delegation:
     """A certificate: the operator's key (the signer of the envelope around it) lets the key `subject` sign
     as `role` for the run `run` (or every run: "*") from `issued_at` until `expires_at`. Carried in the
-    `certificate` field of what the subject signs; checked by protocol/delegation.py."""
+    `certificate` field of what the subject signs; checked by protocol/trust/delegation.py."""
 
     subject: str
     """Peer id (12D3KooW...) of the certified key."""
@@ -364,6 +364,10 @@ class Delegation:
             )
 
 
+MAX_HELLO_ASSIGNMENT_BYTES = 4 << 20
+"""The sealed Assignment a Hello carries: as large as an envelope may be (protocol/envelope.py)."""
+
+
 @dataclass(kw_only=True, frozen=True)
 class Hello:
     """First frame on a pipeline connection, signed by the connecting (upstream) node."""
@@ -382,6 +386,10 @@ class Hello:
     """Unix time the hello was signed: the recipient refuses one outside its skew window, or seen before."""
     probe_bytes: int = 0
     """> 0: not a pipeline link but a bandwidth probe of this many bytes (node/pipeline/link_probe.py)."""
+    assignment: bytes = b""
+    """The sender's own Assignment as its coordinator sealed it, naming the recipient as its `next`: the
+    recipient holds only connections from nodes a trusted coordinator placed upstream of it
+    (node/pipeline/hello_proof.py). Empty in a probe, and from builds before it."""
 
     def __post_init__(self) -> None:
         check_run_id("Hello.run_id", self.run_id)
@@ -391,6 +399,11 @@ class Hello:
         _check_text("Hello.to_peer_id", self.to_peer_id)
         check_range("Hello.sent_at", self.sent_at, 0, MAX_TIME_S)
         check_range("Hello.probe_bytes", self.probe_bytes, 0, MAX_PROBE_BYTES)
+        check_range("Hello.assignment length", len(self.assignment), 0, MAX_HELLO_ASSIGNMENT_BYTES)
+        if self.probe_bytes and self.assignment:
+            raise ValueError(
+                "Hello.assignment must be empty in a probe (probe_bytes > 0): a probe is never held"
+            )
 
 
 @dataclass(kw_only=True, frozen=True)
@@ -411,8 +424,10 @@ class RecordEntry:
 
 @dataclass(kw_only=True, frozen=True)
 class RoundRecord:
-    """The agreed set of one round of one fragment of one stage, written once by the first replica to
-    settle it and signed by that replica's node; every replica applies exactly this set."""
+    """The agreed set of one round as builds before issue 21 wrote it (first writer wins) at
+    `keys.round_record_key`. Nothing writes or reads it now (the set is the store's, node/sync/round_rule.py);
+    it stays in the protocol because stores of older runs hold such records, and the attack tests and
+    scripts/fuzz.py plant and parse them as a hostile member would."""
 
     run_id: str
     stage: int

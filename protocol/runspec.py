@@ -190,12 +190,18 @@ class OuterLoopSettings:
     """Rounds between checkpoints (each replica's stage writes its own: consensus anchor, local weights,
     optimizer, outer momentum, error feedback, data position); 0 = never."""
     timeout_s: float = 60.0
-    """How long a stage waits for the other replicas' fragments before aggregating what arrived."""
+    """W: a round applies the fragments in the store by the quorum's arrival + W seconds (on the store's
+    clock, node/sync/round_rule.py); the same for every replica."""
+    quorum: int = 0
+    """q: how many replicas' fragments a round needs before its deadline runs (0: a majority of the
+    stage's live replicas). Below it a round waits, then applies nothing: fewer replicas cannot outvote
+    one hostile node."""
 
     def __post_init__(self) -> None:
         check_finite(self)
         check_range("sync.H", self.H, 1, MAX_STEPS)
         check_range("sync.timeout_s", self.timeout_s, 0, 1e6)
+        check_range("sync.quorum", self.quorum, 0, MAX_STEPS)
         if self.method not in ("diloco", "sparseloco"):
             raise ValueError(f"sync.method={describe(self.method)} must be 'diloco' or 'sparseloco'")
         check_schedule(self.H, self.P, self.tau, checkpointed=True)

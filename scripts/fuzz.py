@@ -1,4 +1,5 @@
-"""Seeded mutation fuzzing of every decoder that reads untrusted bytes (issue 10, acceptance 2).
+"""Seeded mutation fuzzing of every decoder that reads untrusted bytes (issue 10, acceptance 2; issue 21,
+acceptance 8: what is read from the store).
 
     python -m scripts.fuzz [--n 100000] [--decoders frame,sparseloco,...] [--seed 0] [--jobs 2]
     python -m scripts.fuzz --list                          # the decoders and what each may raise
@@ -13,6 +14,17 @@ ill-typed value, deleted, added, renamed or nested deeply). Structural edits are
 key, so they get past the signature check and reach the schema and payload parsers behind it: a signer
 is never proof of honest bytes. Input i of a decoder is a pure function of (--seed, decoder, i), so
 `--repro` rebuilds it in a fresh process.
+
+What a node, a coordinator or `export` reads from the store (anyone with the store's credentials writes it):
+`envelope:RoundRecord`, `checkpoint:manifest` and `checkpoint:pointer` (`open_envelope` within the reader's
+size bound), `certificate` (`read_certificate`, then `OperatorTrust.delegation`, the rule every reader of a
+coordinator's object applies) and `corpus_manifest` (`parse_manifest`: the bytes mutated, JSON pieces
+spliced in, lines dropped, repeated, swapped, taken from another manifest or nested up to 5,000 deep, each
+line's list edited as a structure and written out again, sizes beyond a float's or a file's range; an
+accepted manifest's sizes are summed as the node's disk check does). 3% of their inputs are random bytes. 100,000
+each (about a minute on 2 cores; docs/reliability.md has the figures):
+
+    python -m scripts.fuzz --n 100000 --decoders envelope:RoundRecord,checkpoint:manifest,checkpoint:pointer,certificate,corpus_manifest
 
 Each decoder runs in its own child process. The child builds its seeds, warms up, reads its address space
 (VmSize in /proc/self/status), then caps it at that baseline + --mem-mb with RLIMIT_AS: an input that
@@ -59,7 +71,7 @@ from typing import Any
 
 import msgpack
 
-from protocol.envelope import kind_of, seal, signed_bytes
+from protocol.envelope import MAX_ENVELOPE_BYTES, kind_of, seal, signed_bytes
 from protocol.identity import Identity, SignatureError
 from protocol.schema import ProtocolError, to_dict
 
@@ -531,12 +543,12 @@ class EnvelopeTarget(Target):
 
     documented = (ProtocolError, SignatureError)
 
-    def __init__(self, kind: str) -> None:
+    def __init__(self, kind: str, *, more: dict[str, list[Any]] | None = None) -> None:
         import protocol.messages as messages
 
         self.name, self.cls = f"envelope:{kind}", getattr(messages, kind)
         owner = _identity("owner")
-        all_bodies = _messages()
+        all_bodies = _messages() | (more or {})
         self._seeds = [envelope_seed(owner, body, _EXP_OF.get(kind)) for body in all_bodies[kind]]
         self.trusted = {owner.public_key} if kind in _TRUSTED else None
         # splice and swap material: every kind's seeds, so a field may come from another message
@@ -980,6 +992,297 @@ class WronglyAdmitted(Exception):
     """The validator admitted a record its own rules refuse."""
 
 
+# ---- objects read from the store (issue 21, acceptance 8) -----------------------------------------------
+
+
+def noise(rng: random.Random) -> bytes:
+    """Random bytes of a random length, sometimes behind a msgpack map's or a JSON list's first byte."""
+    body = rng.randbytes(rng.choice((0, 1, 7, 64, 512, 4096)))
+    return rng.choice((b"", b"\x85", b"\x86", b"[", b'["')) + body
+
+
+NOISE = 0.03
+"""Share of the store-read targets' inputs that are random bytes rather than a mutated seed."""
+
+
+def _store_messages() -> dict[str, list[Any]]:
+    """Valid bodies of the kinds read from the store: what a node, a coordinator or `export` GETs."""
+    from protocol import keys
+    from protocol.messages import CheckpointManifest, CheckpointPointer, RecordEntry, RoundRecord
+
+    me, other = _peer_ids()
+
+    def sha(text: str) -> str:
+        return hashlib.sha256(text.encode()).hexdigest()
+
+    slot: dict[str, Any] = dict(run_id="r1", stage=1, replica=2, round=7)
+    tkey = keys.ckpt_tensors_key("r1", rnd=7, stage=1, replica=2)
+    manifests = [
+        CheckpointManifest(
+            **slot,
+            step=1400,
+            created_at=NOW,
+            tensors_key=tkey,
+            tensors_bytes=123_456,
+            tensors_sha256=sha("t"),
+            meta={"data.position": 987_654_321, "lr": 3e-4, "tokenizer": "gpt2", "seed": -1},
+        ),
+        CheckpointManifest(
+            run_id="run-7",
+            stage=0,
+            replica=0,
+            round=0,
+            step=0,
+            created_at=NOW,
+            tensors_key=keys.ckpt_tensors_key("run-7", rnd=0, stage=0, replica=0),
+            tensors_bytes=0,
+            tensors_sha256=sha(""),
+        ),
+    ]
+    mkey = keys.ckpt_manifest_key("r1", rnd=7, stage=1, replica=2)
+    owner = _identity("owner")
+    return {
+        # the round record's kind: drop this entry and "envelope:RoundRecord" in DECODERS with the record
+        "RoundRecord": [
+            RoundRecord(
+                run_id="r1",
+                stage=1,
+                fragment=3,
+                round=7,
+                entries=[
+                    RecordEntry(replica=0, signer=me, digest=sha("a")),
+                    RecordEntry(replica=2, signer=other, digest=sha("b")),
+                ],
+            ),
+            RoundRecord(run_id="run-7", stage=0, fragment=0, round=2**40, entries=[]),
+        ],
+        "CheckpointManifest": manifests,
+        "CheckpointPointer": [
+            CheckpointPointer(
+                **slot,
+                manifest_key=mkey,
+                manifest_sha256=hashlib.sha256(seal(owner, manifests[0])).hexdigest(),
+            ),
+            CheckpointPointer(
+                run_id="run-7",
+                stage=0,
+                replica=0,
+                round=0,
+                manifest_key=keys.ckpt_manifest_key("run-7", rnd=0, stage=0, replica=0),
+                manifest_sha256=sha("m"),
+            ),
+        ],
+    }
+
+
+class StoredEnvelopeTarget(EnvelopeTarget):
+    """`open_envelope(data, cls, max_bytes=...)` as a reader of the store opens one kind: within the reader's
+    size bound, no trusted set (the reader checks the signer after it, as protocol/checkpoint.py's
+    `_check_signer` does). ProtocolError, SignatureError; a few inputs are noise. tests/test_fuzz.py also
+    sends checkpoint inputs through `read_checkpoint` on a real store."""
+
+    def __init__(self, name: str, kind: str, max_bytes: int) -> None:
+        super().__init__(kind, more=_store_messages())
+        self.name, self.max_bytes = name, max_bytes
+
+    def generate(self, rng: random.Random) -> bytes:
+        if rng.random() < NOISE:
+            return noise(rng)
+        return super().generate(rng)
+
+    def flood(self, nbytes: int, fill: Callable[[int], bytes]) -> bytes:
+        return super().flood(min(nbytes, self.max_bytes), fill)
+
+    def decode(self, x: bytes) -> str:
+        from protocol.envelope import open_envelope
+
+        open_envelope(x, self.cls, max_bytes=self.max_bytes)
+        return "ok"
+
+
+def _checkpoint_target(what: str) -> Target:
+    from protocol import checkpoint
+
+    if what == "manifest":
+        return StoredEnvelopeTarget(
+            "checkpoint:manifest", "CheckpointManifest", checkpoint.MAX_MANIFEST_BYTES
+        )
+    return StoredEnvelopeTarget("checkpoint:pointer", "CheckpointPointer", checkpoint.MAX_POINTER_BYTES)
+
+
+class CertificateTarget(Target):
+    """`read_certificate(data)` (ProtocolError, SignatureError), then what every reader of a coordinator's
+    signed object does with it, `OperatorTrust.delegation` (documented: Untrusted, naming one of REASONS;
+    counted by reason). Seeds sealed by the operator; a fifth of the inputs are sealed by a stranger."""
+
+    name = "certificate"
+    documented = (ProtocolError, SignatureError)
+
+    def __init__(self) -> None:
+        from protocol.messages import MAX_DELEGATION_S, Delegation
+        from protocol.trust.delegation import SKEW_S, OperatorTrust
+
+        operator, subject, stranger = _identity("owner"), _identity("other"), _identity("stranger")
+        self.trust = OperatorTrust(frozenset({operator.public_key}))
+        self.subject = subject.public_key
+        bodies = [
+            Delegation(subject=subject.peer_id, run="*", issued_at=NOW - 60, expires_at=NOW + 86400),
+            Delegation(
+                subject=subject.peer_id, run="r1", issued_at=NOW - 1, expires_at=NOW - 1 + MAX_DELEGATION_S
+            ),
+            Delegation(subject=subject.peer_id, run="r1", issued_at=NOW + SKEW_S - 1, expires_at=NOW + 3600),
+        ]
+        self._seeds = [envelope_seed(operator, b) for b in bodies]
+        self._forged = [envelope_seed(stranger, b) for b in bodies]  # they open; the rule refuses them
+        others = [envelope_seed(operator, b).wire for bodies in _messages().values() for b in bodies[:1]]
+        self.wires = [s.wire for s in self._seeds + self._forged] + others
+        self.pool = [v for s in self._seeds for v in _values(s.body, [])]
+        self.pool += [stranger.peer_id, operator.peer_id, "node", "", NOW - SKEW_S, NOW + SKEW_S, NOW + 1e9]
+
+    def seeds(self) -> list[Any]:
+        return [s.wire for s in self._seeds]
+
+    def generate(self, rng: random.Random) -> bytes:
+        if rng.random() < NOISE:
+            return noise(rng)
+        seed = rng.choice(self._forged if rng.random() < 0.2 else self._seeds)
+        return mutated_envelope(seed, rng, self.wires, self.pool)
+
+    def decode(self, x: bytes) -> str:
+        from protocol.trust.delegation import Untrusted, read_certificate
+
+        read_certificate(x)
+        try:
+            self.trust.delegation(self.subject, x, "r1", NOW)
+        except Untrusted as e:
+            return f"refused: {e.reason}"
+        return "ok"
+
+
+_DEEP_JSON = re.compile(r'"\\u0000DEEP(\d+)\\u0000"')
+_JSON_PIECES = (
+    "[", "]", '"', "\\", ",", ":", " ", "\t", "\r", "\r\n", "\x0b", "\x1c", "\x00", "\x7f",
+    '"\\ud800"', '"\\u0000"', '"\\"', "1" * 4200, "-0", "1e999", "NaN", "-Infinity", "null", "true",
+    '{"a":1}', "[]", "[[[[", "[" * 600 + "]" * 600, "[" * 5000, '["a",1,"' + "0" * 64 + '"]',
+)  # fmt: skip
+"""Text a hostile manifest splices in: JSON's structure, escapes, numbers json cannot hold, the characters
+str.splitlines() breaks a line at, nesting."""
+_JSON_SIZES = ("9" * 309, "1" * 4000, str(2**63), str(2**63 - 1), str(2**64), "1e400", "1e3", "-0", "0.0")
+"""Sizes json reads as integers or floats beyond a float's range, a file's or msgpack's, or not whole."""
+
+
+def _json_default(obj: object) -> object:
+    if isinstance(obj, Deep):
+        return f"\x00DEEP{obj.depth}\x00"
+    if isinstance(obj, bytes):
+        return obj.decode("latin-1")
+    raise TypeError(f"cannot dump {type(obj).__name__}")
+
+
+def dump_json(obj: object, rng: random.Random) -> str:
+    """One JSON line of obj, mostly compact and ASCII (the canonical form), sometimes not; `Deep` expanded."""
+    sep = (",", ":") if rng.random() < 0.9 else rng.choice(((", ", ": "), (",", ": "), (" ,", ":")))
+    text = json.dumps(
+        obj, separators=sep, ensure_ascii=rng.random() < 0.97, skipkeys=True, default=_json_default
+    )
+    return _DEEP_JSON.sub(lambda m: "[" * int(m.group(1)) + "0" + "]" * int(m.group(1)), text)
+
+
+class CorpusManifestTarget(Target):
+    """`parse_manifest(data, where)` as a node reads a corpus's manifest (node/data/corpus_store.py; the
+    spec's `train.data_sha256`, when set, is checked before), then the sum of its sizes in GB, as the node's
+    disk check makes it: ManifestError, a ValueError, and nothing else. Inputs:
+    byte-level mutations, JSON splices, line edits (drop, repeat, swap, move across manifests) and each
+    line's list edited as a structure, then written out again, plus noise."""
+
+    name = "corpus_manifest"
+
+    def __init__(self) -> None:
+        from protocol.corpus import MAX_NAME_BYTES, ManifestError, ShardEntry, manifest_bytes
+
+        self.documented = (ManifestError,)
+
+        def sha(text: str) -> str:
+            return hashlib.sha256(text.encode()).hexdigest()
+
+        cases = [
+            [ShardEntry(name="train.txt", size=1234, sha256=sha("a"))],
+            [
+                ShardEntry(name=f"books/part-{i:04d}.txt", size=10**6 + i, sha256=sha(str(i)))
+                for i in range(6)
+            ],
+            [
+                ShardEntry(name="données/été.txt", size=0, sha256=sha("e")),
+                ShardEntry(name='a"b/[1]{2},x.txt', size=2**40, sha256=sha("q")),
+                ShardEntry(name="z" * MAX_NAME_BYTES, size=7, sha256=sha("z")),
+            ],
+        ]
+        self._seeds = [manifest_bytes(c) for c in cases]
+        self.rows = [[json.loads(line) for line in s.decode().splitlines()] for s in self._seeds]
+        self.pool = [v for rows in self.rows for v in _values(rows, [])]
+
+    def seeds(self) -> list[Any]:
+        return list(self._seeds)
+
+    def generate(self, rng: random.Random) -> bytes:
+        i = rng.randrange(len(self._seeds))
+        mode = rng.random()
+        if mode < NOISE:
+            return noise(rng)
+        if mode < 0.3:
+            return mutate_bytes(self._seeds[i], rng, others=self._seeds)
+        rows: list[Any] = _copy(self.rows[i])
+        for _ in range(rng.choice((1, 1, 2, 3))):
+            op = rng.randrange(9)
+            j = rng.randrange(len(rows)) if rows else 0
+            if op < 3 and rows and not isinstance(rows[j], _Raw):  # the list edited as a structure
+                rows[j] = _Raw(dump_json(mutate_obj(rows[j], rng, self.pool), rng))  # once: it may nest deep
+            elif op == 3 and rows:
+                del rows[j]
+            elif op == 4 and rows:
+                rows.insert(j, rows[j] if rng.random() < 0.5 else _copy(rng.choice(rng.choice(self.rows))))
+            elif op == 5 and len(rows) > 1:
+                k = rng.randrange(len(rows))
+                rows[j], rows[k] = rows[k], rows[j]
+            elif op == 6:  # raw text in place of a line, or spliced into one
+                piece = rng.choice(_JSON_PIECES)
+                if rows and rng.random() < 0.5:
+                    line = _line(rows[j], rng)
+                    at = rng.randrange(len(line) + 1)
+                    rows[j] = _Raw(line[:at] + piece + line[at:])
+                else:
+                    rows.insert(j, _Raw(piece))
+            elif op == 7 and rows and not isinstance(rows[j], _Raw):  # a size no float or file holds
+                name, _, sha = (rows[j] + [0, 0, 0])[:3]
+                size = rng.choice(_JSON_SIZES)
+                rows[j] = _Raw(f"[{dump_json(name, rng)},{size},{dump_json(sha, rng)}]")
+            else:  # a line nested deep
+                depth = rng.choice((1, 31, 600, 5000))
+                rows.insert(j, _Raw("[" * depth + (_line(rows[j], rng) if rows else "") + "]" * depth))
+        end = "\n" if rng.random() < 0.9 else rng.choice(("\r\n", "", "\n\n", "\x1c"))
+        text = "".join(_line(r, rng) + end for r in rows)
+        data = text.encode("utf-8", "surrogatepass")
+        return mutate_bytes(data, rng) if rng.random() < 0.1 else data
+
+    def decode(self, x: bytes) -> str:
+        from protocol.corpus import parse_manifest
+
+        entries = parse_manifest(x, "s3://corpora/books/crucible-manifest.jsonl")
+        sum(e.size for e in entries) / 1e9  # what node/data/corpus_store.py's disk check does with them
+        return "ok"
+
+
+@dataclasses.dataclass(frozen=True)
+class _Raw:
+    """A manifest line written as it is (not dumped as JSON)."""
+
+    text: str
+
+
+def _line(row: object, rng: random.Random) -> str:
+    return row.text if isinstance(row, _Raw) else dump_json(row, rng)
+
+
 DECODERS: dict[str, Callable[[], Target]] = {
     "frame": FrameTarget,
     **{
@@ -991,6 +1294,14 @@ DECODERS: dict[str, Callable[[], Target]] = {
     "dense": DenseTarget,
     "subspace": SubspaceTarget,
     "dht_validator": ValidatorTarget,
+    # read from the store (issue 21)
+    "envelope:RoundRecord": lambda: StoredEnvelopeTarget(
+        "envelope:RoundRecord", "RoundRecord", MAX_ENVELOPE_BYTES
+    ),
+    "checkpoint:manifest": lambda: _checkpoint_target("manifest"),
+    "checkpoint:pointer": lambda: _checkpoint_target("pointer"),
+    "certificate": CertificateTarget,
+    "corpus_manifest": CorpusManifestTarget,
 }
 
 

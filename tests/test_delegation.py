@@ -1,5 +1,5 @@
 """Trust by delegation (issue 13, acceptance 2): the operator's key certifies coordinator keys, and every
-reader (nodes, coordinators, leases, `status`) applies one rule, protocol/delegation.py.
+reader (nodes, coordinators, leases, `status`) applies one rule, protocol/trust/delegation.py.
 
 The rule in isolation (valid, expired, wrong scope, wrong role, forged, not by the operator, for another
 key, uncertified); the lease handed between two certified keys; a real node process that refuses
@@ -24,12 +24,12 @@ from pathlib import Path
 
 import pytest
 
-from protocol import delegation as d
-from protocol.delegation import OperatorTrust, RefusalLog, Untrusted, issue
 from protocol.envelope import open_envelope, seal
 from protocol.identity import Identity
 from protocol.messages import Assignment, Delegation, Lease, RunControl, RunRecord, TermClaim
 from protocol.runspec import ModelSpec, RunSpec
+from protocol.trust import delegation as d
+from protocol.trust.delegation import OperatorTrust, RefusalLog, Untrusted, issue
 
 ROOT = Path(__file__).resolve().parent.parent
 OPERATOR = Identity.from_seed(bytes([11]) * 32)
@@ -311,8 +311,12 @@ def node(tmp_path: Path, moto_store: str) -> Iterator[tuple[object, object, Iden
         dht.shutdown()
 
 
-def test_a_node_refuses_uncertified_expired_and_foreign_coordinators_with_the_reason(node) -> None:
+def test_a_node_refuses_uncertified_expired_and_foreign_coordinators_with_the_reason(
+    node, moto_store
+) -> None:
+    from coordinator.lease import try_acquire
     from protocol import keys
+    from protocol.net.store import ObjectStore, StoreConfig
 
     dht, child, ident = node
     health = child.wait_for(r"health=(\S+)/health", 90).group(1)
@@ -324,6 +328,11 @@ def test_a_node_refuses_uncertified_expired_and_foreign_coordinators_with_the_re
         "cert-c": (c, issue(OPERATOR, c.peer_id, expires_at=now + DAY, run="other-run")),  # (c) another run
         "cert-ok": (ok, issue(OPERATOR, ok.peer_id, expires_at=now + DAY)),  # (d) certified
     }
+    # the certified coordinator's run: launched by the operator, its lease (term 1) held by that coordinator
+    store = ObjectStore(StoreConfig(endpoint_url=moto_store))
+    launch = RunRecord(spec=_assignment(b"", "cert-ok", ident.peer_id).spec, updated=now)
+    store.put(keys.launch_key("cert-ok"), seal(OPERATOR, launch))
+    assert try_acquire(store, ok, "cert-ok", 600, trusted=TRUST, certificate=signed["cert-ok"][1])
     for rid, (signer, cert) in signed.items():
         body = _assignment(cert, rid, ident.peer_id, stage=-1)  # a release: accepting it starts no worker
         assert dht.publish(keys.assignment_key(ident.peer_id), body, 120, signer=signer)

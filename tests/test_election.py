@@ -17,9 +17,9 @@ from pathlib import Path
 import pytest
 
 from protocol import keys
-from protocol.delegation import issue
 from protocol.identity import Identity
 from protocol.net.dht_client import DHTClient
+from protocol.trust.delegation import issue
 from scripts.local_swarm import Swarm
 from tests.test_swarm import RUN_TOML, run_metrics, wait_until
 

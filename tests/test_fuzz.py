@@ -5,7 +5,9 @@ same script runs 2,000 per decoder, each decoder in its own child process under 
 baseline + 100 MB, and every decoder must refuse every hostile input with one of its documented error types,
 in under a second, without a MemoryError, and so must it the largest msgpack floods a peer may send it
 (`--flood`). The bounded msgpack walk every decoder uses (protocol/msgpack_limits.py) is checked against
-msgpack itself.
+msgpack itself. The decoders of what is read from the store (issue 21: the round record, the checkpoint
+manifest and pointer, certificates, the corpus manifest) are among them, and the checkpoint reader behind
+its parse is sent hostile pointers and manifests on a real S3 server.
 """
 
 from __future__ import annotations
@@ -13,6 +15,7 @@ from __future__ import annotations
 import json
 import os
 import random
+import re
 import signal
 import subprocess
 import sys
@@ -88,6 +91,9 @@ def test_every_decoder_refuses_mutated_valid_inputs_with_its_documented_errors()
         assert decoders[name]["outcomes"]["SchemaError"] > N // 4
     for name in ("sparseloco", "sparseloco_expect"):
         assert decoders[name]["outcomes"]["FragmentError"] > N // 2
+    # certificates that open reach the operator's rule, which refuses some for each of several reasons
+    refused = {k for k in decoders["certificate"]["outcomes"] if k.startswith("refused: ")}
+    assert len(refused) >= 3, decoders["certificate"]["outcomes"]
     clean = not KNOWN_FINDINGS
     assert result["clean"] is clean and rc == (0 if clean else 1)
 
@@ -254,3 +260,75 @@ def test_bounded_unpacking_refuses_each_bound_before_it_allocates() -> None:
     assert peak < 200_000
     # a megabyte of empty arrays: refused after a thousand lists
     refused(fuzz.containers(2**20), "more than 1000 msgpack values", max_bytes=2**20, max_values=1000)
+
+
+# ---- the checkpoint reader behind the parse, on a real store (issue 21, acceptance 8) -------------------
+
+READER_PAIRS = 60
+
+
+def _opens(target: fuzz.Target, x: bytes) -> bool:
+    try:
+        return target.decode(x) == "ok"
+    except target.documented:
+        return False
+
+
+def test_the_checkpoint_reader_refuses_hostile_pointers_and_manifests_on_a_real_store(
+    moto_store: str,
+) -> None:
+    """What `read_checkpoint` does behind the parse, on a real S3 server (moto): `checkpoint:pointer` and
+    `checkpoint:manifest` inputs (those where at least one of the pair opens: the parse alone is fuzzed
+    100,000 times by the script) at a slot's LATEST and manifest keys. Each pair is refused with reasons that
+    name the key and the check, nothing is resumed (no tensors object is there), nothing raises. The seeds,
+    a valid pair signed by the trusted key, get as far as the tensors' HEAD."""
+    import uuid
+    from collections import Counter
+
+    from protocol import keys
+    from protocol.checkpoint import Refusal, read_checkpoint
+    from protocol.net.store import ObjectStore, StoreConfig
+
+    store = ObjectStore(StoreConfig(endpoint_url=moto_store, bucket=f"fuzz-{uuid.uuid4().hex[:12]}"))
+    store.ensure_bucket()
+    pointers, manifests = fuzz.DECODERS["checkpoint:pointer"](), fuzz.DECODERS["checkpoint:manifest"]()
+    trusted = {fuzz._identity("owner").public_key}
+    pkey = keys.ckpt_pointer_key("r1", stage=1, replica=2)
+    mkey = keys.ckpt_manifest_key("r1", rnd=7, stage=1, replica=2)
+    pairs = [(pointers.seeds()[0], manifests.seeds()[0])]
+    i = 0
+    while len(pairs) < READER_PAIRS:
+        pointer = pointers.generate(fuzz.input_rng(0, "checkpoint:pointer", i))
+        manifest = manifests.generate(fuzz.input_rng(0, "checkpoint:manifest", i))
+        i += 1
+        if _opens(pointers, pointer) or _opens(manifests, manifest):
+            pairs.append((pointer, manifest))
+    checks: Counter[str] = Counter()
+    for n, (pointer, manifest) in enumerate(pairs):
+        store.put(pkey, pointer)
+        store.put(mkey, manifest)
+        refused: list[Refusal] = []
+        got = read_checkpoint(store, run_id="r1", stage=1, replica=2, trusted=trusted, refused=refused)
+        assert got is None and refused, (n, refused)
+        for r in refused:
+            assert r.key in (pkey, mkey, keys.ckpt_tensors_key("r1", rnd=r.round or 0, stage=1, replica=2)), r
+            checks[re.split(r"[:=(]", r.reason)[0].strip()] += 1
+    assert checks["tensors object is missing, though its manifest is signed"] >= 1, checks
+    assert checks["LATEST pointer does not verify"] and checks["manifest does not verify"], checks
+    assert len(checks) >= 5, checks  # the checks behind the parse: run, slot, round, key, digest
+
+
+def test_a_corpus_manifest_size_beyond_any_file_is_refused() -> None:
+    """Found by `corpus_manifest`: a line's size was any JSON integer, and a 309-digit one made the node's
+    disk check (sizes summed, then divided by 1e9) raise OverflowError instead of DataError."""
+    import hashlib
+
+    from protocol.corpus import ManifestError, parse_manifest
+
+    def manifest(size: int) -> bytes:
+        return f'["a.txt",{size},"{hashlib.sha256(b"").hexdigest()}"]\n'.encode()
+
+    assert parse_manifest(manifest(2**63 - 1), "m")[0].size == 2**63 - 1
+    for size in (2**63, 10**308, 10**4000):
+        with pytest.raises(ManifestError, match="line 1: size .* is more than a file holds"):
+            parse_manifest(manifest(size), "m")

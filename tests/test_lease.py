@@ -10,12 +10,12 @@ import pytest
 
 from coordinator.lease import MAX_LEASE_S, renew, try_acquire
 from protocol import keys
-from protocol.assignment_archive import encode_archive
 from protocol.envelope import seal
 from protocol.identity import Identity
 from protocol.messages import Assignment, Lease
 from protocol.net.store import ObjectStore, StoreConfig
 from protocol.runspec import ModelSpec, RunSpec
+from protocol.trust.assignment_archive import encode_archive
 
 OPERATOR = Identity.from_seed(bytes([7]) * 32)  # coordinators sign with one trusted key
 

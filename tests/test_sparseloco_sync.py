@@ -24,14 +24,12 @@ from protocol.codecs.sparseloco_format import (
     FragmentError,
     ratio,
 )
-from protocol.envelope import open_envelope, seal
 from protocol.identity import Identity
-from protocol.messages import RoundRecord
 from protocol.net.store import ObjectStore, StoreConfig
 from protocol.runspec import RunSpec, SyncSpec
 from protocol.sync_settings import AggregationSettings, Schedule
 from tests.helpers.fault_proxy import FaultProxy
-from tests.helpers.fragment_faults import KINDS, MALLORY, corrupt, valid_blob
+from tests.helpers.fragment_faults import KINDS, corrupt, valid_blob
 
 pytestmark = pytest.mark.timeout(60)
 
@@ -357,7 +355,7 @@ def test_a_valid_fragment_already_in_our_slot_is_what_the_round_uses(
     closer.extend(syncs)
     fid = FragmentId(run_id, 0, 0, 0, 1)
     earlier = valid_blob(IDS[1], fid, SHAPES, CFG)[0]
-    plant(store, run_id, 0, 1, earlier)
+    store.put(keys.primary_fragment_key(run_id, 0, 0, 0, 1, IDS[1].peer_id), earlier)  # its upload before
     for _ in lockstep(syncs, range(1, H + 1)):
         pass
     assert [s.stats.last_contributors for s in syncs] == [[0, 1], [0, 1]]
@@ -477,80 +475,71 @@ def test_sync_spec_and_factory() -> None:
             SyncSpec(**bad)  # type: ignore[arg-type]
 
 
-def test_replicas_with_different_deadlines_apply_the_same_set(
+def test_replicas_that_look_at_different_times_apply_the_same_set(
     store: ObjectStore, closer: list[OuterSync]
 ) -> None:
-    """Issue 11 acceptance 2: replica 0 gives up on replica 2 after 1 s, replica 1 would wait 20 s, and
-    replica 2's fragment arrives after 3 s. Each used to aggregate what it had seen by its own deadline
-    (replica 1 with replica 2's fragment, replica 0 without): the anchors diverged. Now replica 0, the
-    first to settle, writes the round's record; replica 1 adopts it before the late fragment arrives, both
-    apply {0, 1}, and the anchors are bit-identical. The next round, with everyone in time, uses all
-    three."""
+    """Issue 11 acceptance 2, under issue 21's rule: the deadline is the store's, not each replica's.
+    Replica 0 uploads at once, replica 2's fragment lands 1.5 s later (the quorum of 3: D = its
+    LastModified + W = 1 s), replica 1 reaches the round 6 s in. Each replica used to aggregate what it had
+    seen by its own deadline (replica 1 with its own fragment, replica 0 without): the anchors diverged.
+    Now both apply {0, 2}, replica 1's own fragment goes back to it, and the anchors are bit-identical.
+    The next round, with everyone in time, uses all three."""
     import threading
 
     H = 2
     run_id, syncs = make_replicas(store, SHAPES, R=2, H=H, expected=3)
     closer.extend(syncs)
-    syncs[0].exchange.timeout_s, syncs[1].exchange.timeout_s = 1.0, 20.0
-    late = valid_blob(IDS[2], FragmentId(run_id, 0, 0, 0, 2), SHAPES, CFG)[0]
-    timer = threading.Timer(3.0, plant, (store, run_id, 0, 2, late))
+    for sy in syncs:
+        sy.exchange.timeout_s = 1.0
+    third = valid_blob(IDS[2], FragmentId(run_id, 0, 0, 0, 2), SHAPES, CFG)[0]
+    timer = threading.Timer(1.5, plant, (store, run_id, 0, 2, third))
     timer.start()
     try:
-        for _ in lockstep(syncs, range(1, H + 1)):
-            pass
+        for step in range(1, H + 1):
+            for sy in syncs:
+                inner_step(sy, step)
+            syncs[0].capture_due(step)
+            if step == H:
+                time.sleep(6.0)
+            syncs[1].capture_due(step)
+            for sy in syncs:
+                sy.apply_due(step)
     finally:
         timer.cancel()
-    assert [s.stats.last_contributors for s in syncs] == [[0, 1], [0, 1]]
+    assert [sy.stats.last_contributors for sy in syncs] == [[0, 2], [0, 2]]
+    assert syncs[1].stats.not_uploaded == 1 and syncs[0].stats.not_uploaded == 0
     assert_same_anchors(syncs)
-    rec = store.get(keys.round_record_key(run_id, 0, 0, 0))
-    assert rec is not None
-    signed = open_envelope(rec, RoundRecord)
-    assert signed.signer_id == IDS[0].peer_id  # replica 0 settled first
-    assert [(e.replica, e.signer) for e in signed.body.entries] == [(0, IDS[0].peer_id), (1, IDS[1].peer_id)]
+    assert store.get(keys.round_record_key(run_id, 0, 0, 0)) is None  # no replica wrote what the set is
     # the next round: replica 2's fragment is there before anyone settles; all three are used
     plant(store, run_id, 1, 2, valid_blob(IDS[2], FragmentId(run_id, 0, 0, 1, 2), SHAPES, CFG)[0])
     for _ in lockstep(syncs, range(H + 1, 2 * H + 1)):
         pass
-    assert [s.stats.last_contributors for s in syncs] == [[0, 1, 2], [0, 1, 2]]
+    assert [sy.stats.last_contributors for sy in syncs] == [[0, 1, 2], [0, 1, 2]]
     assert_same_anchors(syncs)
 
 
-def test_a_late_replica_adopts_the_record_and_its_own_fragment_goes_back(
+def test_a_late_replica_applies_the_same_sets_and_its_own_fragment_goes_back(
     store: ObjectStore, closer: list[OuterSync]
 ) -> None:
     """A replica that reaches rounds after the others settled them (late, or rebuilt and replaying)
-    applies each record's set, fetching what it lacks; its own fragments, not in the records, return to
-    its error feedback; its anchor is the others' bit for bit."""
+    reads the same final LIST and applies each round's set, fetching what it lacks; its own fragments,
+    in the store after the rounds' deadlines, return to its error feedback; its anchor is the others'
+    bit for bit."""
     H = 2
     _, syncs = make_replicas(store, SHAPES, R=3, H=H)
     closer.extend(syncs)
     early, late = syncs[:2], syncs[2]
-    for s in early:
-        s.exchange.timeout_s = 1.0
+    for sy in syncs:
+        sy.exchange.timeout_s = 1.0
     for _ in lockstep(early, range(1, 2 * H + 1)):
         pass
-    assert [s.stats.last_contributors for s in early] == [[0, 1], [0, 1]]
+    assert [sy.stats.last_contributors for sy in early] == [[0, 1], [0, 1]]
     for _ in lockstep([late], range(1, 2 * H + 1)):
         pass
     assert late.stats.last_contributors == [0, 1] and late.stats.rounds_applied == 2
     assert late.stats.not_uploaded == 2 and late.stats.missing == 0
     for a, b in zip(early[0].anchor, late.anchor, strict=True):
         assert torch.equal(a, b)
-
-
-def test_a_record_a_stranger_signed_is_not_adopted(store: ObjectStore, closer: list[OuterSync]) -> None:
-    """A record at the round's key signed by a node that serves no slot of the stage (here listing no
-    fragment at all) is rejected; the replicas cannot write theirs there and apply their own views."""
-    H = 2
-    run_id, syncs = make_replicas(store, SHAPES, R=2, H=H)
-    closer.extend(syncs)
-    forged = RoundRecord(run_id=run_id, stage=0, fragment=0, round=0, entries=[])
-    store.put(keys.round_record_key(run_id, 0, 0, 0), seal(MALLORY, forged))
-    for _ in lockstep(syncs, range(1, H + 1)):
-        pass
-    assert [s.stats.last_contributors for s in syncs] == [[0, 1], [0, 1]]
-    assert all(s.stats.rejected == 1 for s in syncs)
-    assert_same_anchors(syncs)
 
 
 def test_a_replica_that_drops_out_mid_round_ends_the_wait_and_counts_as_missing(

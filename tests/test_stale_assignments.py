@@ -19,14 +19,15 @@ from typing import TYPE_CHECKING
 import msgpack
 import pytest
 
+from coordinator.lease import launch, try_acquire
 from protocol import keys
-from protocol.delegation import OperatorTrust, RefusalLog
 from protocol.envelope import seal
 from protocol.identity import Identity
 from protocol.messages import Assignment, RunRecord, RunState
 from protocol.net.dht_client import DHTClient, dht_time
 from protocol.net.store import ObjectStore, StoreConfig
 from protocol.runspec import ModelSpec, RunSpec
+from protocol.trust.delegation import OperatorTrust, RefusalLog
 
 if TYPE_CHECKING:
     from node.daemon import AssignmentSource
@@ -69,6 +70,9 @@ class Run:
         )
         self.peers = {(r, s): Identity.generate().peer_id for r in range(2) for s in range(2)}
         self.peers[(1, 1)] = self.node.peer_id
+        # launched by the operator, led under its key at term 1 (protocol/trust/run_authority.py)
+        launch(self.dht, self.store, OPERATOR, RunRecord(spec=self.spec, updated=dht_time()))
+        assert try_acquire(self.store, OPERATOR, self.rid, 600) is not None
 
     def assignment(self, r: int, s: int, *, term: int, epoch: int, listed: tuple[int, ...]) -> Assignment:
         return Assignment(

@@ -20,14 +20,14 @@ from coordinator.lease import MAX_CLAIM_BYTES, MAX_TERM_STEP, claim_refusal, try
 from coordinator.metrics import coordinator_families
 from coordinator.service import Coordinator
 from protocol import keys
-from protocol.assignment_archive import MAX_ARCHIVE_TRIES, encode_archive, read_archive
-from protocol.delegation import OperatorTrust
 from protocol.envelope import seal
 from protocol.identity import Identity
 from protocol.messages import Assignment, RunRecord, TermClaim
 from protocol.net.dht_client import DHTClient, dht_time
 from protocol.net.store import ObjectStore, StoreConfig
 from protocol.runspec import ModelSpec, RunSpec
+from protocol.trust.assignment_archive import MAX_ARCHIVE_TRIES, encode_archive, read_archive
+from protocol.trust.delegation import OperatorTrust, issue
 
 OPERATOR = Identity.from_seed(bytes([7]) * 32)  # the coordinators sign with the operator's key
 STRANGER = Identity.generate()
@@ -203,3 +203,35 @@ def test_a_run_whose_handling_raises_does_not_stop_another_run_s_takeover(
     assert len(errors) == 2
     assert any(m.startswith(f"run {a}: taking the lease failed") for m in errors)
     assert any(m.startswith(f"run {b}: leading the run failed") for m in errors)
+
+
+def test_a_standby_takes_over_a_poisoned_run_and_a_clean_one_within_the_lease_time(
+    store: ObjectStore, dht: DHTClient
+) -> None:
+    """Issue 21 acceptance 4: the leader of two runs (a coordinator the operator certified) holds both
+    leases at term 1 and dies; run A's terms/ holds the claims 2^63-1 and 999999 and junk. A standby
+    ticking every second holds both runs within the lease time + 5 s of the crash, each at term 2."""
+    lease_s = 4.0
+    leader = Identity.generate()
+    cert = issue(OPERATOR, leader.peer_id, expires_at=time.time() + 3600)
+    trust = OperatorTrust.of({OPERATOR.public_key})
+    a, b = (f"run-{n}-{uuid.uuid4().hex[:6]}" for n in "ab")
+    for rid in (a, b):
+        launched(dht, rid)
+        held = try_acquire(store, leader, rid, lease_s, trusted=trust, certificate=cert)
+        assert held is not None and held.lease.term == 1
+    crashed_at = time.monotonic()  # the leader renews nothing from here on
+    terms = keys.terms_prefix(a)
+    store.put(f"{terms}9223372036854775807", claim(a, 2**63 - 1))
+    store.put(keys.term_key(a, 999999), claim(a, 999999))
+    store.put(f"{terms}junk", b"\x00junk")
+    store.put(keys.term_key(a, 2), b"\x00garbage")  # at the next term to claim: replaced
+    standby = Coordinator(OPERATOR, dht, store, lease_s=lease_s)
+    while set(standby.runs) != {a, b} and time.monotonic() - crashed_at < lease_s + 10:
+        standby.tick()
+        time.sleep(1.0)
+    took_s = time.monotonic() - crashed_at
+    assert set(standby.runs) == {a, b}, standby.runs
+    assert took_s <= lease_s + 5, took_s
+    assert [standby.runs[rid].lease.lease.term for rid in (a, b)] == [2, 2]
+    assert standby.events["run_failures"] == 0

@@ -12,13 +12,25 @@ stranger can make it hold is bounded:
 - At most `max_pending` connections are in their handshake and `max_held` authenticated ones wait for
   `take()`; past either cap the oldest is dropped (a held one the worker is waiting for is kept when
   another can go) and counted in `dropped`. A held connection expires after `keep_s`.
+- At most `max_pending_bytes` are announced by the frames of connections in their handshake (a hello
+  carries an assignment of up to 4 MiB): past it the oldest such connections are dropped.
 - A Hello is bound to its recipient and to a moment: with `peer_id` set, its `to_peer_id` must name this
   node, its `sent_at` must lie within `max_skew_s` of this node's clock, and the same Hello is accepted
   once. A captured Hello therefore replays neither to another node nor, later, to this one. `take()`
   accepts only the caller's (term, epoch) or a newer one, so a connection made for a superseded
   assignment is not handed to the current one.
+- Only neighbours are held: with `trust` (the node's rule for assignments) a pipeline hello must carry
+  the sender's signed assignment putting this node right downstream of it, not older than the (term,
+  epoch) this node holds for the run (node/pipeline/hello_proof.py), or come from the peer a `take()`
+  is waiting for right now (the worker's own trusted assignment names it). Identities cost nothing, but
+  assignments only a trusted coordinator signs: a flood of fresh keys is refused and evicts no one.
+- A probe (`probe_bytes` > 0, run "probe", no assignment) is never held: it is answered on its own
+  bounded path (`max_probes` at once, node/pipeline/link_probe.py). Probes and pipeline hellos are
+  remembered for replay apart, and only hellos that passed every check are remembered, so a flood of
+  probes or fresh hellos cannot flush the memory that stops a neighbour's captured hello from replaying
+  (a replay for the neighbour's key would replace its held connection).
 
-Malformed, badly signed, misaddressed, stale or replayed hellos are refused at once (counted in
+Malformed, badly signed, misaddressed, stale, replayed or unproven hellos are refused at once (counted in
 `rejected`, and logged), so a stray or hostile client cannot block the node.
 """
 
@@ -34,15 +46,16 @@ from collections import Counter, OrderedDict
 from collections.abc import Callable
 from dataclasses import dataclass, field
 
-from node.pipeline.link_probe import serve_probe
+from node.pipeline import hello_proof
+from node.pipeline.hello_proof import HELLO_MAX_BYTES
+from node.pipeline.link_probe import PROBE_RUN_ID, serve_probe
 from node.pipeline.transport import Shaper
-from protocol.envelope import open_envelope
 from protocol.framing import HEADER
 from protocol.messages import Hello
 from protocol.schema import ProtocolError
+from protocol.trust.delegation import OperatorTrust
 
 log = logging.getLogger(__name__)
-HELLO_MAX_BYTES = 64 * 1024
 SEEN_HELLOS_MAX = 4096
 """Hellos remembered for replay detection (within the skew window); the oldest are forgotten first."""
 
@@ -67,6 +80,29 @@ class _Throttled:
             msg, args = msg + " (and %d more like it in the last second, not logged)", (*args, self._quiet)
         self._quiet, self._next = 0, now + self.every_s
         log.warning(msg, *args)
+
+
+class _ReplayWindow:
+    """Hellos accepted in the last `keep_s` (twice the skew window: past that a replay's `sent_at` is refused
+    anyway), at most SEEN_HELLOS_MAX, the oldest forgotten first."""
+
+    def __init__(self, keep_s: float) -> None:
+        self.keep_s = keep_s
+        self._seen: OrderedDict[Hello, float] = OrderedDict()  # hello -> monotonic time it may be forgotten
+
+    def refuse_replay(self, h: Hello) -> None:
+        now = time.monotonic()
+        while self._seen and next(iter(self._seen.values())) < now:
+            self._seen.popitem(last=False)
+        if h in self._seen:
+            raise ProtocolError(
+                f"hello from {h.peer_id} was already used by an earlier connection (replayed)"
+            )
+
+    def add(self, h: Hello) -> None:
+        if len(self._seen) >= SEEN_HELLOS_MAX:
+            self._seen.popitem(last=False)
+        self._seen[h] = time.monotonic() + self.keep_s
 
 
 @dataclass
@@ -115,9 +151,13 @@ class Acceptor:
         clock: Callable[[], float] = time.time,
         probe_shaper: Shaper | None = None,
         max_probes: int = 2,
+        trust: OperatorTrust | None = None,
+        max_pending_bytes: int = 32 << 20,
     ) -> None:
         """peer_id: this node's peer id; hellos must be addressed to it (None: not checked, for tests and
-        callers not yet sending addressed hellos). clock: Unix time for `Hello.sent_at` (injectable)."""
+        callers not yet sending addressed hellos). clock: Unix time for `Hello.sent_at` and the assignment
+        a hello carries (injectable). trust: the node's rule for assignments; with it only neighbours are
+        held (module docstring; None: any validly signed hello is, for tests and callers without one)."""
         for name, value in (
             ("hello_timeout_s", hello_timeout_s),
             ("keep_s", keep_s),
@@ -129,8 +169,21 @@ class Acceptor:
         for name, n in (("max_pending", max_pending), ("max_held", max_held)):
             if n < 1:
                 raise ValueError(f"Acceptor {name}={n!r} must be at least 1")
+        if max_pending_bytes < HELLO_MAX_BYTES:
+            raise ValueError(
+                f"Acceptor max_pending_bytes={max_pending_bytes!r} must be at least one hello's "
+                f"{HELLO_MAX_BYTES} bytes"
+            )
+        if trust is not None and peer_id is None:
+            raise ValueError(
+                "Acceptor trust needs peer_id: a hello proves its sender a neighbour by an assignment naming "
+                "this node's peer id"
+            )
         self.server = server
-        self.peer_id = peer_id
+        self.peer_id, self.trust = peer_id, trust
+        self.max_pending_bytes = max_pending_bytes
+        self._pending_bytes = 0  # announced by the frames of connections in their handshake
+        self._holds: dict[str, tuple[int, int]] = {}  # run -> the newest (term, epoch) take() was called with
         self.hello_timeout_s, self.keep_s = hello_timeout_s, keep_s
         self.max_pending, self.max_held = max_pending, max_held
         self.max_skew_s, self.backoff_max_s = max_skew_s, backoff_max_s
@@ -142,16 +195,18 @@ class Acceptor:
         self._port = int(server.getsockname()[1])
         self.rejected = 0
         """Connections refused for their hello: malformed, badly signed, misaddressed, stale, replayed,
-        incomplete by the deadline, or for a superseded (term, epoch)."""
+        incomplete by the deadline, not from a neighbour, or for a superseded (term, epoch)."""
         self.dropped = 0
-        """Connections closed to respect `max_pending` / `max_held`, superseded, or expired after keep_s."""
+        """Connections closed to respect `max_pending` / `max_pending_bytes` / `max_held`, superseded, or
+        expired after keep_s."""
         self.accept_errors = 0
         """OSErrors from accept() (EMFILE, ECONNABORTED, ...); each pauses accepting briefly."""
         self.loop_errors = 0
         """Unexpected errors the supervised loop survived."""
         self._held: list[_Held] = []
         self._wanted: Counter[_Key] = Counter()  # keys take() is waiting for: evicted last
-        self._seen: OrderedDict[Hello, float] = OrderedDict()  # hello -> monotonic time it may be forgotten
+        # pipeline hellos and probes apart: a probe flood cannot make a neighbour's hello replayable
+        self._seen, self._seen_probes = _ReplayWindow(2 * max_skew_s), _ReplayWindow(2 * max_skew_s)
         self._cond = threading.Condition()
         self._stop = threading.Event()
         self._pending: dict[socket.socket, _Handshake] = {}  # accept order: the first is the oldest
@@ -200,6 +255,7 @@ class Acceptor:
             for hs in list(self._pending.values()):
                 hs.conn.close()
             self._pending.clear()
+            self._pending_bytes = 0
             self._sel.close()
             with contextlib.suppress(OSError):
                 self.server.close()
@@ -262,9 +318,7 @@ class Acceptor:
         self._sel.register(conn, selectors.EVENT_READ)
 
     def _close_pending(self, hs: _Handshake) -> None:
-        del self._pending[hs.conn]
-        with contextlib.suppress(KeyError, ValueError):
-            self._sel.unregister(hs.conn)
+        self._close_pending_keep_socket(hs)
         hs.conn.close()
 
     def _reject(self, hs: _Handshake, why: str) -> None:
@@ -288,11 +342,12 @@ class Acceptor:
             return
         hs.buf += chunk
         if hs.length is None and len(hs.buf) == HEADER.size:
-            (hs.length,) = HEADER.unpack(hs.buf)
+            (length,) = HEADER.unpack(hs.buf)
             hs.buf.clear()
-            if hs.length > HELLO_MAX_BYTES:
-                self._reject(hs, f"hello frame of {hs.length} bytes is over the {HELLO_MAX_BYTES}-byte limit")
+            if length > HELLO_MAX_BYTES:
+                self._reject(hs, f"hello frame of {length} bytes is over the {HELLO_MAX_BYTES}-byte limit")
                 return
+            self._reserve(hs, length)
         if hs.length is not None and len(hs.buf) == hs.length:
             self._close_pending_keep_socket(hs)
             try:
@@ -338,36 +393,44 @@ class Acceptor:
 
     def _close_pending_keep_socket(self, hs: _Handshake) -> None:
         del self._pending[hs.conn]
-        self._sel.unregister(hs.conn)
+        self._pending_bytes -= hs.length or 0
+        with contextlib.suppress(KeyError, ValueError):
+            self._sel.unregister(hs.conn)
+
+    def _reserve(self, hs: _Handshake, length: int) -> None:
+        """Count the length `hs` announced against `max_pending_bytes`, dropping the oldest handshakes
+        that announced one until it fits (it does once only `hs` is left: the budget holds a whole hello)."""
+        hs.length = length
+        self._pending_bytes += length
+        while self._pending_bytes > self.max_pending_bytes:
+            oldest = next(h for h in self._pending.values() if h.length and h is not hs)
+            self._count("dropped")
+            self._close_pending(oldest)
+            self._log_dropped.warning(
+                "dropped pipeline connection from %s: hellos in their handshake announce more than %d bytes",
+                oldest.addr,
+                self.max_pending_bytes,
+            )
 
     def _authenticate(self, frame: bytes) -> Hello:
-        signed = open_envelope(frame, Hello, max_bytes=HELLO_MAX_BYTES)
-        h = signed.body
-        if signed.signer_id != h.peer_id:
-            raise ProtocolError(f"hello names peer {h.peer_id} but is signed by {signed.signer_id}")
+        h = hello_proof.open_hello(frame, self.peer_id, now=self.clock(), max_skew_s=self.max_skew_s)
         if self.peer_id is None:
             return h
-        if h.to_peer_id != self.peer_id:
-            raise ProtocolError(
-                f"hello from {h.peer_id} is addressed to {h.to_peer_id or 'no node'}, not to this node "
-                f"{self.peer_id}: replayed from another connection, or the peer runs an older build"
-            )
-        age_s = self.clock() - h.sent_at
-        if not abs(age_s) <= self.max_skew_s:
-            raise ProtocolError(
-                f"hello from {h.peer_id} was signed {age_s:.0f} s ago by this node's clock, outside the "
-                f"±{self.max_skew_s:.0f} s window: replayed, or the two clocks disagree (run NTP on both)"
-            )
-        now = time.monotonic()
-        while self._seen and next(iter(self._seen.values())) < now:
-            self._seen.popitem(last=False)
-        if h in self._seen:
-            raise ProtocolError(
-                f"hello from {h.peer_id} was already used by an earlier connection (replayed)"
-            )
-        if len(self._seen) >= SEEN_HELLOS_MAX:
-            self._seen.popitem(last=False)
-        self._seen[h] = now + 2 * self.max_skew_s  # past that its sent_at is outside the window anyway
+        seen = self._seen_probes if h.probe_bytes else self._seen
+        seen.refuse_replay(h)
+        if h.probe_bytes:
+            if h.run_id != PROBE_RUN_ID:
+                raise ProtocolError(
+                    f"probe from {h.peer_id} names run {h.run_id!r}: a probe names run {PROBE_RUN_ID!r} "
+                    "(node/pipeline/link_probe.py)"
+                )
+        elif self.trust is not None:  # a neighbour's (node/pipeline/hello_proof.py)
+            with self._cond:
+                held = self._holds.get(h.run_id)
+                waited_for = (h.run_id, h.peer_id, h.replica, h.stage) in self._wanted
+            if h.assignment or not waited_for:  # waited for: take() checks the worker's own (term, epoch)
+                hello_proof.check(h, self.trust, self.peer_id, now=self.clock(), held=held)
+        seen.add(h)  # only what passed every check: a flood of refused hellos flushes nothing
         return h
 
     def _hold(self, hello: Hello, conn: socket.socket) -> None:
@@ -425,6 +488,8 @@ class Acceptor:
         floor = None if term is None and epoch is None else (term or 0, epoch or 0)
         deadline = time.monotonic() + timeout_s
         with self._cond:
+            if floor is not None:  # what this node holds: hellos for an older one are refused on arrival
+                self._holds[run_id] = max(floor, self._holds.get(run_id, floor))
             self._wanted[key] += 1
             try:
                 while True:

@@ -3,7 +3,8 @@ the interface the outer loop (node/sync/outer_sync.py) holds an exchange by.
 
 The outer loop keeps the schedule, the anchor and the apply; an exchange moves one (stage, fragment,
 round)'s contributions between the replicas and says which set every replica applies. The store's
-all-to-all with a write-once round record is node/sync/round_exchange.py `RoundExchange`.
+all-to-all, its set decided by the store's own timestamps (node/sync/round_rule.py), is
+node/sync/round_exchange.py `RoundExchange`.
 """
 
 from __future__ import annotations
@@ -18,7 +19,7 @@ from protocol.identity import Identity
 
 
 class RoundAgreementError(RuntimeError):
-    """The round's agreed set cannot be applied here (a listed fragment stayed out of reach)."""
+    """The round's agreed set cannot be applied here (the store would not list it or give a fragment it lists)."""
 
 
 @dataclass(frozen=True)
@@ -59,7 +60,7 @@ class FragmentCodec(Protocol):
         ...
 
     identity: Identity
-    """Signs our fragments and the round records we write."""
+    """Signs our fragments."""
 
     def state(self) -> dict[str, torch.Tensor]:
         """What the codec carries between rounds (SparseLoCo: error feedback), for checkpoints."""
@@ -94,8 +95,6 @@ class SyncStats:
     not_uploaded: int = 0
     """Our fragments that did not land (store error, or the key already held other bytes)."""
     last_contributors: list[int] = field(default_factory=list)
-    bytes_records: int = 0
-    """Round records we wrote (a few hundred bytes per round and fragment; not in bytes_up)."""
 
 
 @dataclass
@@ -118,8 +117,9 @@ class Exchange(Protocol):
 
     Seams for the exchanges that come next, each written beside `RoundExchange` (the store all-to-all)
     with the outer loop's schedule, anchor and apply left as they are:
-    - the rule that decides the agreed set: `RoundExchange`'s is "first writer wins" (its write-once round
-      record); another rule decides `Exchanged.contribs` its own way, and replicas apply whatever it says;
+    - the rule that decides the agreed set: `RoundExchange`'s is node/sync/round_rule.py's (the fragments
+      in the store by the quorum's arrival + W, on the store's clock); another rule decides
+      `Exchanged.contribs` its own way, and replicas apply whatever it says;
     - late entries and per-contribution token counts: they belong with the set in `Exchanged` (keyed by
       replica, as `contribs` is), for the aggregator to weigh; nothing produces them yet;
     - fragments keyed by layer groups rather than stages: `FragmentId` is the only key an exchange names

@@ -131,13 +131,17 @@ class OuterSync:
         checkpoints: StageCheckpoints | None = None,
         checkpoint_every: int = 1,
         confine: Confinement | None = None,
+        quorum: int = 0,
+        cancelled: Callable[[], bool] = lambda: False,
     ) -> None:
         """schedule: when each fragment is captured and applied (`SyncSpec.schedule()`). poll_s,
         poll_max_s: the first and the longest wait between two polls of the store for the
         other replicas' fragments (exponential backoff). local and checkpoints: what step_done()
         checkpoints, every `checkpoint_every` rounds, and where (neither: no checkpoints, as in the
         benchmarks). confine: the parameters confined to a subspace, whose Delta_bar and codec residual
-        are projected onto it (None: none are)."""
+        are projected onto it (None: none are). quorum: how many replicas' fragments a round needs
+        (node/sync/round_rule.py; 0: a majority of the stage's live replicas). cancelled: the worker is
+        stopping (a round still waiting for its quorum gives up)."""
         if not 0 < poll_s <= poll_max_s:
             raise ValueError(f"need 0 < poll_s <= poll_max_s, got poll_s={poll_s} poll_max_s={poll_max_s}")
         self.params = params
@@ -166,6 +170,8 @@ class OuterSync:
             poll_max_s=poll_max_s,
             stats=self.stats,
             lock=self._lock,
+            quorum=quorum,
+            cancelled=cancelled,
         )
 
     # --- schedule ---------------------------------------------------------------------------------
@@ -294,10 +300,8 @@ class OuterSync:
 
     def set_stage_peers(self, stage_peers: dict[int, str], former: dict[int, set[str]] | None = None) -> None:
         """The signers of this stage's slots changed (a replica rebuilt with a new node, or dropped out):
-        the exchange trusts them from now on, and so do the checkpoints."""
-        known = self.exchange.set_stage_peers(stage_peers, former)
-        if self.checkpoints is not None:
-            self.checkpoints.trust(known)
+        the exchange trusts them from now on (the worker binds them to their checkpoint slots)."""
+        self.exchange.set_stage_peers(stage_peers, former)
 
     def _apply(self, p: _Pending) -> None:
         t = time.perf_counter()

@@ -4,34 +4,37 @@ the outer loop (node/sync/outer_sync.py) keeps the schedule, the anchor and the 
 
     run(fid, encoding, shapes) -> Exchanged     # what every replica applies for (stage, fragment, round)
 
+The agreed set is decided by node/sync/round_rule.py from what the store itself says (the fragments'
+LastModified, read by one LIST once it is final), so no replica and no writer of any single key chooses
+it: there is no round record to write first, squat or forge.
+
 Fragment keys are write-once (conditional PUT, If-None-Match): every reader of a key sees the same bytes,
 so an object cannot be swapped between two replicas' reads. If our key already holds other bytes
 (a faulty writer got there first, or our own upload from before a restart), we treat our slot exactly
 as every other replica does: use those bytes if they validate against this slot's signer, leave the
 slot out if not. The consensus stays identical, and our unused contribution goes back to the codec
-(SparseLoCo's error feedback sends it in a later round). A store that does not answer is retried
-until the round's deadline.
+(SparseLoCo's error feedback sends it in a later round). A store that does not answer is retried.
 
-Waiting for the other replicas GETs keys every reader can compute (the round record, each signer's
-primary fragment key) with exponential backoff, and LISTs the round rarely (`RoundReader.listing`).
-Whoever settles a round first writes its signed, write-once round record; every replica applies exactly
-the set it lists (first writer wins: the rule issue 21 replaces).
+Waiting for the other replicas GETs keys every reader can compute (each signer's primary fragment key)
+with exponential backoff; the round is LISTed when the rule can settle it (and while a missing slot's
+primary key is squatted).
 """
 
 from __future__ import annotations
 
 import logging
+import math
 import threading
 import time
+from collections.abc import Callable
 from dataclasses import dataclass, field
 
 import torch
 
 from node.sync.exchange import Encoding, Exchanged, FragmentCodec, FragmentId, RoundAgreementError, SyncStats
 from node.sync.round_reader import RoundReader
+from node.sync.round_rule import Decision, decide, majority
 from protocol import keys
-from protocol.envelope import seal
-from protocol.messages import RecordEntry, RoundRecord
 from protocol.net.store import ObjectStore, ObjectTooLarge, StoreError
 from protocol.schema import ProtocolError
 
@@ -40,20 +43,28 @@ log = logging.getLogger(__name__)
 
 TOO_LARGE = "too large"
 """What `_Gathered.seen` notes for a key whose object was refused by its size (no digest was taken)."""
+QUORUM_WAIT = 10
+"""A round below quorum waits QUORUM_WAIT x timeout_s (for the missing replicas, or for the coordinator to
+drop the lost ones so the live slots shrink, which takes far less), lists it once more, then applies
+nothing. The one case replicas can then differ in: a quorum that forms later still, which a replica
+reaching the round after that applies (a majority of the stage that late is a stalled run anyway)."""
+MAX_CANDIDATES = 4
+"""A slot's fragment is the first valid one of its first MAX_CANDIDATES keys in (LastModified, key) order:
+what one slot's signer plants costs each reader at most this many GETs."""
 
 
 @dataclass
 class _Gathered:
     """One replica's view of one round's fragments while it gathers them."""
 
-    contribs: dict[int, list[torch.Tensor]] = field(default_factory=dict)
-    """Replica -> decoded contribution."""
-    used: dict[int, tuple[str, str]] = field(default_factory=dict)
-    """Replica -> (signer, sha256) of what contribs holds."""
+    valid: dict[str, list[torch.Tensor]] = field(default_factory=dict)
+    """Key -> the valid fragment it holds, decoded (ours: our contribution itself)."""
     bad: set[str] = field(default_factory=set)
     """Keys that held no valid fragment of their slot: never read again."""
     seen: dict[str, str] = field(default_factory=dict)
     """Key -> sha256 of the bytes it held when read (or TOO_LARGE); keys are written once, so it stays so."""
+    found: dict[int, tuple[str, float]] = field(default_factory=dict)
+    """Slot -> (a key holding a valid fragment of it, the store's clock when we found it: t_r is no later)."""
 
 
 class _Backoff:
@@ -74,8 +85,9 @@ class _Backoff:
 class RoundExchange:
     """One stage's round agreement over the store, for one replica (`run` on the outer loop's I/O thread):
     the store all-to-all of node/sync/exchange.py's `Exchange`. Its `reader` knows who may sign each
-    replica's slot and reads the round's listing and record; bytes, rejections and misses are counted
-    in the outer loop's `stats` (under `lock`)."""
+    replica's slot and lists the round; bytes, rejections and misses are counted in the outer loop's
+    `stats` (under `lock`). quorum: the q of node/sync/round_rule.py (0: a majority of the live slots).
+    cancelled: the worker is stopping: a round still waiting gives up and applies nothing."""
 
     def __init__(
         self,
@@ -90,6 +102,8 @@ class RoundExchange:
         poll_max_s: float,
         stats: SyncStats,
         lock: threading.Lock,
+        quorum: int = 0,
+        cancelled: Callable[[], bool] = lambda: False,
     ) -> None:
         self.store, self.codec, self.replica = store, codec, replica
         self.reader = RoundReader(
@@ -98,10 +112,9 @@ class RoundExchange:
             signer=codec.signer,
             stage_peers=stage_peers,
             former_stage_peers=former_stage_peers,
-            stats=stats,
-            lock=lock,
         )
         self.timeout_s, self.poll_s, self.poll_max_s = timeout_s, poll_s, poll_max_s
+        self.quorum, self.cancelled = quorum, cancelled
         self.stats, self._lock = stats, lock
 
     def put_once(self, key: str, data: bytes) -> tuple[bool | None, bytes | None]:
@@ -112,7 +125,7 @@ class RoundExchange:
                 self._count(up=len(data))
                 return True, None
         except StoreError as e:
-            log.debug("upload of %s failed (retrying until the round's deadline): %s", key, e)
+            log.debug("upload of %s failed (retrying until the round settles): %s", key, e)
         try:  # refused, or a PUT whose reply was lost: what does the key hold now?
             stored = self.store.get(key, max_bytes=self.codec.max_fragment_bytes)
         except ObjectTooLarge as e:  # somebody else's oversized object: no valid fragment of ours
@@ -130,6 +143,9 @@ class RoundExchange:
         """The signers of this stage's slots changed: see `RoundReader.set_stage_peers`."""
         return self.reader.set_stage_peers(stage_peers, former)
 
+    def quorum_of(self, live: set[int]) -> int:
+        return self.quorum or majority(len(live))
+
     def _primary(self, fid: FragmentId, r: int, signer: str) -> str:
         return keys.primary_fragment_key(fid.run_id, fid.stage, fid.fragment, fid.round, r, signer)
 
@@ -142,7 +158,7 @@ class RoundExchange:
             g.seen[key] = TOO_LARGE
             raise
         except StoreError as e:  # transient (503, reset, timeout)
-            log.debug("fetch of %s failed (retrying until the round's deadline): %s", key, e)
+            log.debug("fetch of %s failed (retrying): %s", key, e)
             return None
         if blob is not None:
             self._count(down=len(blob))
@@ -155,184 +171,210 @@ class RoundExchange:
             self.stats.rejected += 1
         log.warning("rejected an object under replica %d's slot of %s (%s): %s", r, fid, key, why)
 
-    def _settle(
-        self, fid: FragmentId, used: dict[int, tuple[str, str]], seen_bad: set[bytes]
-    ) -> RoundRecord | None:
-        """Write our view as the round's record (first writer wins) or adopt the one written first.
-        None: no valid record could be had before a second deadline (the key squatted, or the store
-        silent); the caller applies its own view."""
-        ours = RoundRecord(
-            run_id=fid.run_id,
-            stage=fid.stage,
-            fragment=fid.fragment,
-            round=fid.round,
-            entries=[RecordEntry(replica=r, signer=sg, digest=d) for r, (sg, d) in sorted(used.items())],
-        )
-        key = keys.round_record_key(fid.run_id, fid.stage, fid.fragment, fid.round)
-        blob = seal(self.codec.identity, ours)
-        deadline = time.monotonic() + self.timeout_s
-        backoff = _Backoff(self.poll_s, self.poll_max_s)
-        while True:
-            try:
-                if self.store.put_if_absent(key, blob) is not None:
-                    with self._lock:
-                        self.stats.bytes_records += len(blob)
-                    return ours
-            except StoreError as e:
-                log.debug("writing the round record %s failed (retrying): %s", key, e)
-            rec, present = self.reader.record(fid, seen_bad)
-            if rec is not None:
-                return rec
-            if time.monotonic() > deadline or present:
-                if present:  # squatted: nobody can write a valid record there
-                    log.warning(
-                        "round %d fragment %d: no valid round record can be written; applying this "
-                        "replica's own view (replicas may differ for this round)",
-                        fid.round,
-                        fid.fragment,
-                    )
+    def _valid(
+        self,
+        fid: FragmentId,
+        r: int,
+        key: str,
+        shapes: list[torch.Size],
+        g: _Gathered,
+        ours: tuple[list[torch.Tensor], str],
+    ) -> bool | None:
+        """Whether `key` holds a valid fragment of slot r: its bytes verify against the signer the key
+        names (a signer of the slot) and, at a key naming a hash, match that hash. None: not readable now
+        (absent, or the store did not answer). A valid one is kept decoded in g.valid (in our slot, our own
+        bytes, `ours` = (contribution, sha256), are our contribution itself); an invalid one is rejected,
+        once, and never read again."""
+        if key in g.valid:
+            return True
+        if key in g.bad:
+            return False
+        signer, name = key.rsplit("/", 2)[1:]
+        other = FragmentId(fid.run_id, fid.stage, fid.fragment, fid.round, r)
+        try:
+            if (blob := self._get_fragment(key, g)) is None:
                 return None
-            backoff.wait(deadline)
+            if name != keys.PRIMARY_NAME and g.seen[key] != name:
+                raise ProtocolError("its bytes do not match the hash its key names (truncated or planted)")
+            got = self.codec.decode(other, blob, shapes, signer)
+        except (ProtocolError, ObjectTooLarge) as e:
+            self._reject(fid, r, key, e, g)
+            return False
+        mine = r == fid.replica and (signer, g.seen[key]) == (self.codec.signer, ours[1])
+        g.valid[key] = ours[0] if mine else got
+        return True
 
-    def _follow(
-        self, fid: FragmentId, rec: RoundRecord, g: _Gathered, shapes: list[torch.Size]
-    ) -> dict[int, list[torch.Tensor]]:
-        """Exactly the record's set: what we hold already, the rest fetched where its signer put it (the
-        signer's primary key if it holds the listed bytes, else the key naming their hash). An entry
-        whose bytes are not a valid fragment is left out by every replica alike (all read the same
-        bytes); one the store will not give us before a second deadline fails the round."""
-        final: dict[int, list[torch.Tensor]] = {}
-        deadline = time.monotonic() + self.timeout_s
-        backoff = _Backoff(self.poll_s, self.poll_max_s)
-        for e in rec.entries:
-            if g.used.get(e.replica) == (e.signer, e.digest):
-                final[e.replica] = g.contribs[e.replica]
-                continue
-            other = FragmentId(fid.run_id, fid.stage, fid.fragment, fid.round, e.replica)
-            where = [
-                self._primary(fid, e.replica, e.signer),
-                keys.fragment_key(
-                    fid.run_id, fid.stage, fid.fragment, fid.round, e.replica, e.signer, e.digest
-                ),
-            ]
-            try:
-                while (blob := self._read_listed(where, e.digest, g)) is None:
-                    if time.monotonic() > deadline:
-                        raise RoundAgreementError(
-                            f"round {fid.round} fragment {fid.fragment}: the agreed record lists replica "
-                            f"{e.replica}'s fragment {e.digest}, which the store did not give us (at {where[0]} "
-                            f"or {where[1]}) within {self.timeout_s:.0f} s; this replica cannot apply the agreed set"
-                        )
-                    backoff.wait(deadline)
-                final[e.replica] = self.codec.decode(other, blob, shapes, e.signer)
-            except ProtocolError as err:
-                log.warning(
-                    "round %d: the record lists an invalid fragment of replica %d: %s",
-                    fid.round,
-                    e.replica,
-                    err,
-                )
-        return final
+    def _poll(
+        self,
+        fid: FragmentId,
+        live: set[int],
+        listing: dict[int, list[tuple[int, str]]] | None,
+        shapes: list[torch.Size],
+        g: _Gathered,
+        ours: tuple[list[torch.Tensor], str],
+    ) -> bool:
+        """Look for the live slots not found yet (but ours, which we put): each signer's primary key, or
+        the keys a fresh `listing` names. True if one was found."""
+        arrived = False
+        for r in sorted(live - set(g.found) - {fid.replica}):
+            if listing is not None:
+                candidates = [key for _, key in listing.get(r, [])[:MAX_CANDIDATES]]
+            else:
+                candidates = [self._primary(fid, r, s) for s in sorted(self.reader.signers(r))]
+            for key in candidates:
+                if self._valid(fid, r, key, shapes, g, ours):
+                    g.found[r] = (key, self.store.store_now())
+                    arrived = True
+                    break
+        return arrived
 
-    def _read_listed(self, where: list[str], digest: str, g: _Gathered) -> bytes | None:
-        """The bytes of sha256 `digest` from the first key of `where` that holds them; None if none does yet.
-        Raises ProtocolError where none can: each key held other bytes when read (keys are written once, so
-        they are not asked again), or those very bytes were rejected here."""
-        todo = [k for k in where if g.seen.get(k, digest) == digest]
-        if not todo or any(k in g.bad for k in todo):
-            raise ProtocolError("no key of its signer holds those bytes as a valid fragment")
-        for key in todo:
-            try:
-                blob = self._get_fragment(key, g)
-            except ObjectTooLarge:
-                continue
-            if blob is not None and g.seen[key] == digest:
-                return blob
-        return None
+    def _decide(
+        self,
+        fid: FragmentId,
+        live: set[int],
+        shapes: list[torch.Size],
+        g: _Gathered,
+        ours: tuple[list[torch.Tensor], str],
+    ) -> tuple[Decision, dict[int, str]] | None:
+        """The rule on one fresh LIST of the round: (its decision, slot -> the key of its fragment). None if
+        the LIST or a candidate it names could not be read now."""
+        listed = self.reader.listing(fid)
+        if listed is None:
+            return None
+        listing, now_s = listed
+        stamps: dict[int, int] = {}
+        chosen: dict[int, str] = {}
+        for r in sorted(live):
+            for t, key in listing.get(r, [])[:MAX_CANDIDATES]:
+                ok = self._valid(fid, r, key, shapes, g, ours)
+                if ok is None:
+                    return None
+                if ok:
+                    stamps[r], chosen[r] = t, key
+                    break
+        window_s = math.ceil(self.timeout_s)
+        return decide(stamps, live, quorum=self.quorum_of(live), window_s=window_s, now_s=now_s), chosen
+
+    def _settles_at(self, live: set[int], g: _Gathered) -> float | None:
+        """When, on the store's clock, a LIST may settle the round given what polling found (each t_r is
+        no later than when we found it); None below quorum."""
+        est = {r: int(at) for r, (_, at) in g.found.items()}
+        d = decide(est, live, quorum=self.quorum_of(live), window_s=math.ceil(self.timeout_s), now_s=0)
+        return None if d.settles_at_s is None else d.settles_at_s + 0.05
 
     def run(self, fid: FragmentId, encoding: Encoding, shapes: list[torch.Size]) -> Exchanged:
-        """I/O thread: finish encoding ours, upload it, gather the other replicas' fragments until all
-        arrived or the deadline, then agree on the round's set through its write-once round record.
+        """I/O thread: finish encoding ours, upload it, gather the other replicas' fragments, and return the
+        set node/sync/round_rule.py decides once a LIST of the round is final.
 
-        A slot is settled only by a valid fragment signed by a signer of the replica's slot, found at
-        that signer's primary key or at a key that names the signer and the fragment's hash. Anything
-        else under the round (a squatter's object, a truncated or forged one, one signed by a stranger) is
-        counted as rejected and never read again, and the slot stays open until the deadline: planting
-        garbage cannot empty a round. Our own slot is resolved like a peer's: if it already holds a valid
-        fragment of ours (uploaded before a restart), every replica may have used that one, so we use it
-        too and do not upload a second.
-
-        Whoever settles first (every slot in, or its deadline) writes the set it holds as the round's
-        record; every replica that finds a record applies exactly that set, fetching what it lacks, so
-        replicas with different deadlines or a late, rebuilt one apply the same set."""
+        A slot is filled only by a valid fragment signed by a signer of the replica's slot, found at that
+        signer's primary key or at a key that names the signer and the fragment's hash. Anything else under
+        the round (a squatter's object, a truncated or forged one, one signed by a stranger) is counted as
+        rejected and never read again: planting garbage cannot empty a round. Our own slot is resolved like
+        a peer's: if it already holds a valid fragment of ours (uploaded before a restart), that one is the
+        slot's, and we do not upload a second. Replicas that settle at different times, or a late, rebuilt
+        one replaying the round, read the same final LIST and apply the same set."""
         data, own = encoding()
         me = fid.replica
-        own_digest = keys.content_digest(data)
+        ours = (own, keys.content_digest(data))
         g = _Gathered()
-        bad_records: set[bytes] = set()
         started = time.monotonic()
-        deadline = started + self.timeout_s
+        give_up = started + QUORUM_WAIT * self.timeout_s
         expected = self.reader.slots()  # a replica that drops out while we wait still missed this round
         backoff = _Backoff(self.poll_s, self.poll_max_s)
-        listed = False
-        rec: RoundRecord | None = None
-        while True:
-            rec, _ = self.reader.record(fid, bad_records)
-            if rec is not None:
-                break
-            waiting = sorted(self.reader.slots() - set(g.contribs))
+        settled: tuple[Decision, dict[int, str]] | None = None
+        listed_at = -math.inf
+        while not self.cancelled():
+            live = self.reader.slots()
+            if me not in g.found:
+                self._put_ours(fid, data, shapes, g, ours)
             squatted = any(
                 self._primary(fid, r, sg) in g.bad
-                for r in waiting
-                if r != me
+                for r in live - set(g.found) - {me}
                 for sg in self.reader.signers(r)
             )
-            found = self.reader.listing(fid) if not listed or squatted else None
-            listed = listed or found is not None
-            arrived = False
-            for r in waiting:
-                if found is not None:
-                    candidates = found.get(r, [])
-                else:  # our slot is not polled: we put ours there
-                    candidates = (
-                        [] if r == me else [self._primary(fid, r, s) for s in sorted(self.reader.signers(r))]
-                    )
-                arrived |= self._take(fid, r, candidates, shapes, g, (own, own_digest))
-                if r == me and me not in g.contribs:
-                    self._put_ours(fid, data, (own, own_digest), shapes, g)
-            if not self.reader.slots() - set(g.contribs) or time.monotonic() > deadline:
-                rec = self._settle(fid, g.used, bad_records)
-                break
-            if arrived:
+            below = self._settles_at(live, g) is None  # a hash-named fragment is found only by a LIST
+            now = time.monotonic()
+            relist = below and (now - listed_at >= max(5.0, self.timeout_s) or now > give_up)
+            listed = self.reader.listing(fid) if squatted or relist else None
+            listed_at = now if listed is not None else listed_at
+            if self._poll(fid, live, listed[0] if listed else None, shapes, g, ours):
                 backoff.reset()
-            backoff.wait(deadline)
-        contribs = g.contribs if rec is None else self._follow(fid, rec, g, shapes)
-        ours_used = contribs.get(me) is own
-        if not ours_used:
+            want = self._settles_at(live, g)
+            if want is not None and self.store.store_now() >= want:
+                settled = self._decide(fid, live, shapes, g, ours)
+                if settled is not None and settled[0].final:
+                    break
+                if settled is not None and settled[0].settles_at_s is not None:
+                    want = max(want, settled[0].settles_at_s + 0.05)
+            if want is None and time.monotonic() > give_up and listed is not None:  # below quorum all along
+                break
+            grace_s = max(self.timeout_s, 10.0)
+            if want is not None and self.store.store_now() - want > grace_s:
+                raise RoundAgreementError(  # a quorum is in: only an unreadable store keeps it unsettled
+                    f"round {fid.round} fragment {fid.fragment}: a quorum of fragments is in the store but "
+                    f"this replica could not list the round or read a fragment it lists within {grace_s:.0f} s "
+                    "of the round settling; it cannot apply the agreed set (check the store's health)"
+                )
+            wake = give_up if want is None else time.monotonic() + max(0.0, want - self.store.store_now())
+            backoff.wait(wake if wake > time.monotonic() else math.inf)  # past it: the next LIST after a poll
+        if settled is not None and not settled[0].final:
+            settled = None  # below quorum to the end, or the worker stopped while we waited
+        contribs = {} if settled is None else {r: g.valid[settled[1][r]] for r in sorted(settled[0].members)}
+        self._report(fid, contribs, settled, g, ours, expected, started)
+        return Exchanged(contribs, None if contribs.get(me) is own else own)
+
+    def _report(
+        self,
+        fid: FragmentId,
+        contribs: dict[int, list[torch.Tensor]],
+        settled: tuple[Decision, dict[int, str]] | None,
+        g: _Gathered,
+        ours: tuple[list[torch.Tensor], str],
+        expected: set[int],
+        started: float,
+    ) -> None:
+        """Count and say what the round left out: our fragment (and why), and the slots that missed it."""
+        me, live = fid.replica, self.reader.slots()
+        if settled is None:
+            log.warning(
+                "run %s stage %d round %d fragment %d: %s; the round applies nothing",
+                fid.run_id,
+                fid.stage,
+                fid.round,
+                fid.fragment,
+                "the worker stopped while it waited"
+                if self.cancelled()
+                else f"fewer than a quorum ({self.quorum_of(live)} of {len(live)} live replicas) had a valid "
+                f"fragment within {QUORUM_WAIT * self.timeout_s:.0f} s",
+            )
+        if contribs.get(me) is not ours[0]:
             with self._lock:
                 self.stats.not_uploaded += 1
             own_key = keys.fragment_key(
-                fid.run_id, fid.stage, fid.fragment, fid.round, me, self.codec.signer, own_digest
+                fid.run_id, fid.stage, fid.fragment, fid.round, me, self.codec.signer, ours[1]
             )
             why_not_ours = (
-                "the round's agreed record, written by the replica that settled it first, does not list it"
-                if rec is not None and me not in contribs
+                "the round was not settled"
+                if settled is None
                 else "a valid fragment of this slot was already in the store (from before a restart)"
                 if me in contribs
+                else "it reached the store after the round's deadline (the quorum's arrival + "
+                f"{math.ceil(self.timeout_s)} s on the store's clock)"
+                if me in settled[1]
                 else "our fragment's key already held other bytes"  # only someone who knew our bytes
                 if own_key in g.bad
-                else "the object store did not answer before the deadline"
+                else "the object store did not take it"
             )
             log.warning(
                 "our fragment %s was not used: %s; it stays in error feedback for a later round",
                 fid,
                 why_not_ours,
             )
-        missing = (expected | self.reader.slots()) - set(contribs) - {me}
-        if missing:
+        missing = (expected | live) - set(contribs) - {me}
+        if missing and settled is not None:
             with self._lock:
                 self.stats.missing += len(missing)
-            gone = missing - self.reader.slots()
+            gone = missing - live
             log.warning(
                 "run %s stage %d round %d fragment %d: replicas %s did not arrive %s; aggregating %s",
                 fid.run_id,
@@ -342,56 +384,22 @@ class RoundExchange:
                 sorted(missing),
                 f"(dropped out after {time.monotonic() - started:.1f} s)"
                 if gone == missing
-                else f"within {self.timeout_s:.0f} s",
+                else f"within {self.timeout_s:.0f} s of the quorum",
                 sorted(contribs),
             )
-        return Exchanged(contribs, None if ours_used else own)
-
-    def _take(
-        self,
-        fid: FragmentId,
-        r: int,
-        candidates: list[str],
-        shapes: list[torch.Size],
-        g: _Gathered,
-        ours: tuple[list[torch.Tensor], str],
-    ) -> bool:
-        """Settle slot r in g with the first of `candidates` that holds a valid fragment of it: its bytes
-        verify against the signer the key names (a signer of the slot) and, at a key naming a hash, match
-        that hash. Each invalid object met before is rejected, once. True if it settled the slot. In our
-        slot, our own bytes (a PUT whose reply was lost, a replay) are `ours`, (contribution, sha256)."""
-        other = FragmentId(fid.run_id, fid.stage, fid.fragment, fid.round, r)
-        for key in (k for k in candidates if k not in g.bad):
-            signer, name = key.rsplit("/", 2)[1:]
-            try:
-                if (blob := self._get_fragment(key, g)) is None:
-                    continue
-                if name != keys.PRIMARY_NAME and g.seen[key] != name:
-                    raise ProtocolError(
-                        "its bytes do not match the hash its key names (truncated or planted)"
-                    )
-                got = self.codec.decode(other, blob, shapes, signer)
-            except (ProtocolError, ObjectTooLarge) as e:
-                self._reject(fid, r, key, e, g)
-                continue
-            if r == fid.replica and (signer, g.seen[key]) == (self.codec.signer, ours[1]):
-                got = ours[0]
-            g.contribs[r], g.used[r] = got, (signer, g.seen[key])
-            return True
-        return False
 
     def _put_ours(
         self,
         fid: FragmentId,
         data: bytes,
-        ours: tuple[list[torch.Tensor], str],
         shapes: list[torch.Size],
         g: _Gathered,
+        ours: tuple[list[torch.Tensor], str],
     ) -> None:
         """Upload our fragment to our primary key, or, if that holds anything but a valid fragment of ours,
-        to the key naming its hash, and settle our slot in g with what the round can use: `ours`, or a
-        valid fragment of ours already at the primary key (from before a restart). Nothing settled: the
-        store did not answer (again at the next poll), or both keys held other bytes."""
+        to the key naming its hash, and note our slot in g: ours, or a valid fragment of ours already at
+        the primary key (from before a restart). Nothing noted: the store did not answer (again at the
+        next poll), or both keys held other bytes."""
         me, signer = fid.replica, self.codec.signer
         primary = self._primary(fid, me, signer)
         by_hash = keys.fragment_key(fid.run_id, fid.stage, fid.fragment, fid.round, me, signer, ours[1])
@@ -400,7 +408,8 @@ class RoundExchange:
             if state is None:
                 return
             if state:
-                g.contribs[me], g.used[me] = ours[0], (signer, ours[1])
+                g.valid[key], g.seen[key] = ours[0], ours[1]
+                g.found[me] = (key, self.store.store_now())
                 return
             g.seen[key] = keys.content_digest(stored) if stored else TOO_LARGE
             if key == by_hash:
@@ -409,11 +418,11 @@ class RoundExchange:
             try:
                 if not stored:
                     raise ObjectTooLarge("larger than any valid fragment")
-                g.contribs[me] = self.codec.decode(fid, stored, shapes, signer)
+                g.valid[key] = self.codec.decode(fid, stored, shapes, signer)
             except (ProtocolError, ObjectTooLarge) as e:
                 self._reject(fid, me, key, e, g)
                 continue
-            g.used[me] = (signer, g.seen[key])
+            g.found[me] = (key, self.store.store_now())
             return
 
     def _count(self, up: int = 0, down: int = 0) -> None:

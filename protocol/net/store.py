@@ -7,6 +7,7 @@ boto3 does the protocol; this adds byte accounting, conditional writes for the c
 from __future__ import annotations
 
 import builtins
+import email.utils
 import os
 import threading
 import time
@@ -61,6 +62,17 @@ class ObjectInfo:
     size: int
     etag: str
     """Quoted, as S3 returns it; a multipart upload's ends in -<parts>."""
+
+
+@dataclass(frozen=True)
+class Listing:
+    """One LIST of a prefix on the store's own clock, in whole seconds (S3's and R2's resolution)."""
+
+    stamps: dict[str, int]
+    """Key -> its LastModified, floored to the second (Unix time)."""
+    now_s: int
+    """The store's clock (its Date header) when it answered the first page, floored: every object whose
+    PUT completed before then is listed (S3 and R2 list strongly consistently)."""
 
 
 _LOOPBACK = ("127.0.0.1", "localhost", "::1", "[::1]")
@@ -121,7 +133,10 @@ class StoreOps:
         self._note(str(context.get("crucible_op", "unknown")), "error", context)
 
     def _note(self, op: str, outcome: str, context: dict) -> None:
-        dt = time.perf_counter() - context.pop("crucible_t0", time.perf_counter())
+        self.note(op, outcome, time.perf_counter() - context.pop("crucible_t0", time.perf_counter()))
+
+    def note(self, op: str, outcome: str, dt: float) -> None:
+        """Counts one call of `dt` seconds; also for calls made outside botocore (protocol/net/grants.py)."""
         with self._lock:
             self.calls[(op, outcome)] = self.calls.get((op, outcome), 0) + 1
             self.seconds[op] = self.seconds.get(op, 0.0) + dt
@@ -155,6 +170,19 @@ class ObjectStore:
         """Every S3 API call this client made (multipart parts and pinned ranged GETs included), by
         operation and outcome, with their latency: counted by botocore's own call events."""
         self.ops.watch(self.client)
+        self._clock_offset_s = 0.0
+        """The store's clock minus ours, from the Date header of its last answer (1 s resolution)."""
+        self.client.meta.events.register("after-call.s3", self._note_clock)
+
+    def _note_clock(self, http_response: Any, **_: Any) -> None:
+        when = _http_date(getattr(http_response, "headers", {}).get("Date"))
+        if when is not None:
+            self._clock_offset_s = when - time.time()
+
+    def store_now(self) -> float:
+        """The store's clock now, as far as its last answer tells (its Date header floors: at most a
+        second behind, plus the answer's latency)."""
+        return time.time() + self._clock_offset_s
 
     def _count(self, up: int = 0, down: int = 0) -> None:
         with self._lock:
@@ -244,6 +272,25 @@ class ObjectStore:
         except (botocore.exceptions.ClientError, botocore.exceptions.BotoCoreError) as e:
             raise self._fail(f"LIST {prefix}", e) from e
         return keys
+
+    def list_stamped(self, prefix: str) -> Listing:
+        """Every key under `prefix` with its LastModified, and the store's clock when it answered: what
+        a rule decided by the store's own timestamps reads (node/sync/round_rule.py). A store that sends
+        no Date header is read on our clock instead (the rule then trusts our clock's agreement with it)."""
+        stamps: dict[str, int] = {}
+        now: int | None = None
+        try:
+            for page in self.client.get_paginator("list_objects_v2").paginate(
+                Bucket=self.bucket, Prefix=prefix
+            ):
+                if now is None:
+                    sent = _http_date(page.get("ResponseMetadata", {}).get("HTTPHeaders", {}).get("date"))
+                    now = int(sent if sent is not None else time.time())
+                for obj in page.get("Contents", []):
+                    stamps[obj["Key"]] = int(obj["LastModified"].timestamp())
+        except (botocore.exceptions.ClientError, botocore.exceptions.BotoCoreError) as e:
+            raise self._fail(f"LIST {prefix}", e) from e
+        return Listing(stamps, now if now is not None else int(time.time()))
 
     def delete(self, key: str) -> None:
         try:
@@ -345,6 +392,16 @@ class ObjectStore:
         if got != info.size:
             raise ObjectChanged(f"object {key}: downloaded {got} bytes, its HEAD said {info.size}")
         return info
+
+
+def _http_date(value: str | None) -> float | None:
+    """Unix time of an HTTP date (`Wed, 02 Dec 2026 02:29:30 GMT`); None if absent or unreadable."""
+    if not value:
+        return None
+    try:
+        return email.utils.parsedate_to_datetime(value).timestamp()
+    except (TypeError, ValueError):
+        return None
 
 
 def _transfer_config(part_bytes: int) -> TransferConfig:

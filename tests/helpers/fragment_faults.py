@@ -22,10 +22,10 @@ def _header(cf, fid: FragmentId) -> FragmentHeader:  # type: ignore[no-untyped-d
 
 
 def valid_blob(
-    identity: Identity, fid: FragmentId, shapes: list[tuple[int, ...]], cfg: SparseLoCoConfig
+    identity: Identity, fid: FragmentId, shapes: list[tuple[int, ...]], cfg: SparseLoCoConfig, seed: int = 7
 ) -> tuple[bytes, bytes]:
-    """(signed fragment bytes, its payload) of a random pseudo-gradient."""
-    g = torch.Generator().manual_seed(7)
+    """(signed fragment bytes, its payload) of a random pseudo-gradient (drawn from `seed`)."""
+    g = torch.Generator().manual_seed(seed)
     cf = compress([torch.randn(s, generator=g) for s in shapes], cfg)
     return encode_fragment(identity, _header(cf, fid), cf), pack_payload(cf)
 

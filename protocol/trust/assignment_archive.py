@@ -13,14 +13,14 @@ import logging
 import msgpack
 
 from protocol import keys
-from protocol.delegation import OperatorTrust
-from protocol.envelope import open_envelope, seal
+from protocol.envelope import Signed, open_envelope, seal
 from protocol.identity import Identity
 from protocol.messages import Assignment
 from protocol.msgpack_limits import unpack_bounded
 from protocol.net.store import ObjectStore, StoreError
 from protocol.runspec import RunSpec
 from protocol.schema import ProtocolError
+from protocol.trust.delegation import OperatorTrust
 
 log = logging.getLogger(__name__)
 
@@ -37,6 +37,11 @@ def decode_archive(blob: bytes, trust: OperatorTrust, *, as_issued: bool = False
     """The assignments of an archive object, each admitted by `trust`; raises ProtocolError (malformed)
     or ValueError (a bad signature, an untrusted signer). as_issued: check each certificate at the
     assignment's issued_at instead of now (a finished run's coordinators' certificates may have expired)."""
+    return [s.body for s in open_archive(blob, trust, as_issued=as_issued)]
+
+
+def open_archive(blob: bytes, trust: OperatorTrust, *, as_issued: bool = False) -> list[Signed[Assignment]]:
+    """`decode_archive`, keeping who signed each assignment (a node counts only its term's leader's)."""
     try:
         # a list of envelopes, at least 1 KB each: 65,536 fill MAX_ARCHIVE_BYTES
         envelopes = unpack_bounded(
@@ -49,7 +54,7 @@ def decode_archive(blob: bytes, trust: OperatorTrust, *, as_issued: bool = False
     out = []
     for env in envelopes:
         signed = open_envelope(env, Assignment)
-        out.append(trust.admit(signed, signed.body.issued_at if as_issued else None).body)
+        out.append(trust.admit(signed, signed.body.issued_at if as_issued else None))
     return out
 
 
@@ -85,4 +90,11 @@ def read_archive(
     return None
 
 
-__all__ = ["MAX_ARCHIVE_BYTES", "MAX_ARCHIVE_TRIES", "decode_archive", "encode_archive", "read_archive"]
+__all__ = [
+    "MAX_ARCHIVE_BYTES",
+    "MAX_ARCHIVE_TRIES",
+    "decode_archive",
+    "encode_archive",
+    "open_archive",
+    "read_archive",
+]

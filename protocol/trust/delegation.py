@@ -11,6 +11,9 @@ by anyone who knows the operator's peer id. With O the operator keys, an object 
         d.subject = peer_id(s),  d.role = "coordinator",  d.run in {run, "*"},
         d.issued_at - SKEW_S <= now < d.expires_at
 
+A run's launch is held to one more condition (`admit_launch`): a certificate must be for that run alone,
+d.run = run; a coordinator certified for "*" leads the runs the operator launched, it launches none.
+
 Every reader applies this one rule (`OperatorTrust`): nodes (assignments, run records), coordinators (run
 records, leases, the assignment archive, control objects), `status` and `launch --watch`. A refusal is an
 `Untrusted` error whose `reason` is one of REASONS; readers log each (signer, reason) once (`RefusalLog`).
@@ -45,6 +48,7 @@ WRONG_SCOPE = "wrong scope"
 EXPIRED = "expired"
 NOT_YET_VALID = "not yet valid"
 FUTURE_DATED = "dated in the future"
+NOT_LAUNCHER = "not a launcher of the run"
 REASONS = (
     UNCERTIFIED,
     FORGED,
@@ -55,6 +59,7 @@ REASONS = (
     EXPIRED,
     NOT_YET_VALID,
     FUTURE_DATED,
+    NOT_LAUNCHER,
 )
 """Why a signer is not trusted, as `Untrusted.reason` names it."""
 _MAX_LOGGED = 4096
@@ -71,7 +76,8 @@ def signed_at(body: object) -> float | None:
 
 
 class Untrusted(UntrustedSigner):
-    """A validly signed object whose signer the operator did not certify for it; `reason` is one of REASONS."""
+    """A validly signed object whose signer the operator did not certify for it; `reason` is one of REASONS
+    (or of protocol/trust/run_authority.py's, for a certified signer that does not direct the run)."""
 
     def __init__(self, reason: str, message: str, why: str = "") -> None:
         super().__init__(message)
@@ -181,10 +187,29 @@ class OperatorTrust:
             self.delegation(signed.signer, signed.body.certificate, signed.body.run_id, now)
         except Untrusted as e:
             raise Untrusted(e.reason, f"{kind} {e}", e.why) from None
+        _refuse_future(signed, kind, now)
+        return signed
+
+    def admit_launch(self, signed: Signed[C], now: float | None = None) -> Signed[C]:
+        """`signed`, the launch of its run, if the operator's key signed it or a key the operator certified
+        for that run alone: a certificate for every run ("*") lets a coordinator lead the runs the operator
+        launched, not start new ones. The certificate is checked as of the launch's date (a finished run's
+        may have expired since), and a launch dated beyond `now` + SKEW_S is refused. Raises Untrusted."""
+        now = time.time() if now is None else now
+        run = signed.body.run_id
+        kind = f"the launch of run {run} ({type(signed.body).__name__})"
+        _refuse_future(signed, kind, now)
         dated = signed_at(signed.body)
-        if dated is not None and dated > now + SKEW_S:
-            why = f"it is dated {utc(dated)}, more than {SKEW_S:.0f} s ahead of this host's clock (run NTP)"
-            raise Untrusted(FUTURE_DATED, f"{kind} signed by {signed.signer_id}: {why}", why)
+        try:
+            d = self.delegation(signed.signer, signed.body.certificate, run, now if dated is None else dated)
+        except Untrusted as e:
+            raise Untrusted(e.reason, f"{kind} {e}", e.why) from None
+        if d is not None and d.run == ANY_RUN:
+            why = (
+                "its certificate is for every run, and such a key leads runs, it does not launch them: only the "
+                f"operator's key, or a key certified for run {run} alone, launches it (crucible-coordinator launch)"
+            )
+            raise Untrusted(NOT_LAUNCHER, f"{kind} signed by {signed.signer_id}: {why}", why)
         return signed
 
     def open(
@@ -205,6 +230,14 @@ class OperatorTrust:
             except Untrusted as e:
                 refusals.note(signed.signer_id, e)
         return out
+
+
+def _refuse_future(signed: Signed[C], kind: str, now: float) -> None:
+    """Raise Untrusted (FUTURE_DATED) when `signed` is dated beyond `now` + SKEW_S."""
+    dated = signed_at(signed.body)
+    if dated is not None and dated > now + SKEW_S:
+        why = f"it is dated {utc(dated)}, more than {SKEW_S:.0f} s ahead of this host's clock (run NTP)"
+        raise Untrusted(FUTURE_DATED, f"{kind} signed by {signed.signer_id}: {why}", why)
 
 
 class RefusalLog:

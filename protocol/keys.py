@@ -151,8 +151,9 @@ def parse_sync_key(prefix: str, key: str) -> tuple[int, str, str | None] | None:
     if not key.startswith(prefix):
         return None
     parts = key[len(prefix) :].split("/")
-    if len(parts) != 3 or not parts[0].isdigit() or len(parts[0]) > 6 or not parts[1]:
-        return None
+    slot = parts[0] if len(parts) == 3 else ""
+    if not (slot.isascii() and slot.isdigit() and len(slot) <= 6 and slot == str(int(slot))) or not parts[1]:
+        return None  # one name per slot: ASCII digits, no leading zero (`01/` is not slot 1's, `²` no digit)
     replica, signer, name = parts
     if name == PRIMARY_NAME:
         return int(replica), signer, None

@@ -238,6 +238,11 @@ def _check_presigned(
         raise Refused("AccessDenied", "Request is not valid yet")
     signed = params["X-Amz-SignedHeaders"].split(";")
     _check_signed_headers(signed, headers)
+    unsigned = sorted(h for h in headers if h.startswith("x-amz-") and h not in signed)
+    if unsigned:  # as S3 does: a grant's holder must not add a storage class, encryption or ACL of its own
+        raise Refused(
+            "AccessDenied", f"There were headers present in the request which were not signed: {unsigned}"
+        )
     expected = _signature(
         _QuerySigner,
         _secret(scope[0], keys),

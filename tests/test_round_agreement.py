@@ -18,6 +18,7 @@ import pytest
 from node.sync.outer_sync import FragmentId, OuterSync
 from protocol import keys
 from protocol.envelope import seal
+from protocol.identity import Identity
 from protocol.messages import RecordEntry, RoundRecord
 from protocol.net.store import ObjectStore, StoreConfig
 from tests.helpers.fragment_faults import valid_blob
@@ -79,11 +80,15 @@ def two_rounds_early(store: ObjectStore, run_id: str) -> None:
 
 
 def junk_past_the_candidate_bound(store: ObjectStore, run_id: str) -> None:
-    """More junk in the hostile's own slot than a reader tries (MAX_CANDIDATES), all sorting before its
-    valid fragment: every replica leaves the slot out alike, after at most that many GETs."""
+    """Junk at the hostile's primary key and at more hash-named keys than a reader tries of one signer
+    (MAX_CANDIDATES), its valid fragment only after them: every replica leaves the slot out alike, after
+    at most that many GETs of the hostile's keys."""
+    store.put(keys.primary_fragment_key(run_id, 0, 0, 0, 3, HOSTILE.peer_id), b"junk")
     for i in range(6):
         store.put(keys.fragment_key(run_id, 0, 0, 0, 3, HOSTILE.peer_id, f"{i:064x}"), b"junk")
-    store.put(keys.primary_fragment_key(run_id, 0, 0, 0, 3, HOSTILE.peer_id), hostile_fragment(run_id, 0))
+    time.sleep(1.1)  # a later LastModified than all the junk
+    blob = hostile_fragment(run_id, 0)
+    store.put(keys.sync_key(run_id, 0, 0, 0, 3, HOSTILE.peer_id, blob), blob)
 
 
 def junk_and_a_second_fragment(store: ObjectStore, run_id: str) -> None:
@@ -102,6 +107,67 @@ def junk_and_a_second_fragment(store: ObjectStore, run_id: str) -> None:
     threading.Thread(target=later, daemon=True).start()
 
 
+def a_key_named_for_no_slot(store: ObjectStore, run_id: str) -> None:
+    """Names no parser should take for a slot (a Unicode digit raised ValueError out of every round;
+    `01/` aliased slot 1)."""
+    prefix = keys.sync_prefix(run_id, 0, 0, 0)
+    for name in ("\u00b2", "01", "+1", "1 "):
+        store.put(f"{prefix}{name}/{HOSTILE.peer_id}/fragment", hostile_fragment(run_id, 0))
+
+
+def an_archived_fragment(store: ObjectStore, run_id: str) -> None:
+    """Its own fragment stored in an archive class: listed, but GETs of it fail (403 InvalidObjectState);
+    it used to hold every round open until it raised."""
+    store.client.put_object(
+        Bucket=store.bucket,
+        Key=keys.primary_fragment_key(run_id, 0, 0, 0, 3, HOSTILE.peer_id),
+        Body=hostile_fragment(run_id, 0),
+        StorageClass="GLACIER",
+    )
+
+
+def a_multipart_fragment(store: ObjectStore, run_id: str) -> None:
+    """Its fragment written as a multipart upload: S3 dates such an object when the upload was created, so
+    a signer could date it before the deadline and complete it after some replicas settled."""
+    key = keys.primary_fragment_key(run_id, 0, 0, 0, 3, HOSTILE.peer_id)
+    c = store.client
+    up = c.create_multipart_upload(Bucket=store.bucket, Key=key)["UploadId"]
+    etag = c.upload_part(
+        Bucket=store.bucket, Key=key, UploadId=up, PartNumber=1, Body=hostile_fragment(run_id, 0)
+    )
+    c.complete_multipart_upload(
+        Bucket=store.bucket,
+        Key=key,
+        UploadId=up,
+        MultipartUpload={"Parts": [{"PartNumber": 1, "ETag": etag["ETag"]}]},
+    )
+
+
+def its_old_slot_too(store: ObjectStore, run_id: str) -> None:
+    """The hostile node, which held slot 2 before replica 2's node (former_stage_peers), uploads a fragment
+    into slot 2 early, and into its own slot 3: a node fills one slot of a stage, the one it holds."""
+    for slot in (2, 3):
+        blob = valid_blob(HOSTILE, FragmentId(run_id, 0, 0, 0, slot), SHAPES, CFG)[0]
+        store.put(keys.primary_fragment_key(run_id, 0, 0, 0, slot, HOSTILE.peer_id), blob)
+    time.sleep(1.1)
+
+
+def a_former_signer_s_junk(store: ObjectStore, run_id: str) -> None:
+    """Slot 2's node before (a former signer, holding no slot now) plants junk there early: it cannot crowd
+    out the current signer's fragment (the candidate bound is per signer)."""
+    for i in range(6):
+        store.put(keys.fragment_key(run_id, 0, 0, 0, 2, FORMER.peer_id, f"{i:064x}"), b"junk")
+    store.put(keys.primary_fragment_key(run_id, 0, 0, 0, 2, FORMER.peer_id), b"junk")
+    time.sleep(1.1)
+
+
+FORMER = Identity.from_seed(bytes([91]) * 32)
+FORMERS: dict[str, dict[int, set[str]]] = {
+    "its old slot too": {2: {HOSTILE.peer_id}},
+    "a former signer's junk": {2: {FORMER.peer_id}},
+}
+"""attack -> the former signers every replica knows of (set_stage_peers), where the attack needs them."""
+
 ATTACKS: dict[str, tuple[Callable[[ObjectStore, str], None], set[int]]] = {
     "a record listing only itself": (only_itself, {0, 1, 2, 3}),
     "empty records for future rounds": (empty_future_records, {0, 1, 2}),
@@ -110,6 +176,11 @@ ATTACKS: dict[str, tuple[Callable[[ObjectStore, str], None], set[int]]] = {
     "fragments two rounds early": (two_rounds_early, {0, 1, 2, 3}),
     "junk past the candidate bound": (junk_past_the_candidate_bound, {0, 1, 2}),
     "junk and a second fragment in its slot": (junk_and_a_second_fragment, {0, 1, 2, 3}),
+    "a key named for no slot": (a_key_named_for_no_slot, {0, 1, 2}),
+    "an archived fragment": (an_archived_fragment, {0, 1, 2}),
+    "a multipart fragment": (a_multipart_fragment, {0, 1, 2}),
+    "its old slot too": (its_old_slot_too, {0, 1, 2, 3}),
+    "a former signer's junk": (a_former_signer_s_junk, {0, 1, 2}),
 }
 """attack -> (what it plants before round 0, the set round 0 applies: every honest slot, and the hostile's
 own fragment where it uploaded one in time)."""
@@ -122,6 +193,9 @@ def test_no_member_decides_the_round(attack: str, store: ObjectStore, closer: li
     closer.extend(syncs)
     for s in syncs:
         s.exchange.timeout_s = 1.0
+        if attack in FORMERS:
+            peers = {r: IDS[r].peer_id for r in range(4)}
+            s.set_stage_peers(peers, FORMERS[attack])
     plant(store, run_id)
     for _ in lockstep(syncs, range(1, H + 1)):
         pass

@@ -35,22 +35,20 @@ from node.sync.exchange import Encoding, Exchanged, FragmentCodec, FragmentId, R
 from node.sync.round_reader import RoundReader
 from node.sync.round_rule import Decision, decide, majority
 from protocol import keys
-from protocol.net.store import ObjectStore, ObjectTooLarge, StoreError
+from protocol.net.store import ObjectStore, ObjectTooLarge, ObjectUnreadable, StoreError
 from protocol.schema import ProtocolError
 
 log = logging.getLogger(__name__)
 
 
 TOO_LARGE = "too large"
-"""What `_Gathered.seen` notes for a key whose object was refused by its size (no digest was taken)."""
+"""What `_Gathered.seen` notes for a key whose object was refused by its size, or that the store would not
+serve (no digest was taken)."""
 QUORUM_WAIT = 10
 """A round below quorum waits QUORUM_WAIT x timeout_s (for the missing replicas, or for the coordinator to
 drop the lost ones so the live slots shrink, which takes far less), lists it once more, then applies
 nothing. The one case replicas can then differ in: a quorum that forms later still, which a replica
 reaching the round after that applies (a majority of the stage that late is a stalled run anyway)."""
-MAX_CANDIDATES = 4
-"""A slot's fragment is the first valid one of its first MAX_CANDIDATES keys in (LastModified, key) order:
-what one slot's signer plants costs each reader at most this many GETs."""
 
 
 @dataclass
@@ -112,6 +110,7 @@ class RoundExchange:
             signer=codec.signer,
             stage_peers=stage_peers,
             former_stage_peers=former_stage_peers,
+            max_bytes=codec.max_fragment_bytes,
         )
         self.timeout_s, self.poll_s, self.poll_max_s = timeout_s, poll_s, poll_max_s
         self.quorum, self.cancelled = quorum, cancelled
@@ -128,7 +127,7 @@ class RoundExchange:
             log.debug("upload of %s failed (retrying until the round settles): %s", key, e)
         try:  # refused, or a PUT whose reply was lost: what does the key hold now?
             stored = self.store.get(key, max_bytes=self.codec.max_fragment_bytes)
-        except ObjectTooLarge as e:  # somebody else's oversized object: no valid fragment of ours
+        except (ObjectTooLarge, ObjectUnreadable) as e:  # somebody else's object: no valid fragment of ours
             log.warning("our fragment key %s: %s", key, e)
             return False, b""
         except StoreError:
@@ -154,7 +153,7 @@ class RoundExchange:
         or the store did not answer (asked again at the next poll). Notes in g.seen what the key holds."""
         try:
             blob = self.store.get(key, max_bytes=self.codec.max_fragment_bytes)
-        except ObjectTooLarge:
+        except (ObjectTooLarge, ObjectUnreadable):
             g.seen[key] = TOO_LARGE
             raise
         except StoreError as e:  # transient (503, reset, timeout)
@@ -197,7 +196,7 @@ class RoundExchange:
             if name != keys.PRIMARY_NAME and g.seen[key] != name:
                 raise ProtocolError("its bytes do not match the hash its key names (truncated or planted)")
             got = self.codec.decode(other, blob, shapes, signer)
-        except (ProtocolError, ObjectTooLarge) as e:
+        except (ProtocolError, ObjectTooLarge, ObjectUnreadable) as e:
             self._reject(fid, r, key, e, g)
             return False
         mine = r == fid.replica and (signer, g.seen[key]) == (self.codec.signer, ours[1])
@@ -208,7 +207,7 @@ class RoundExchange:
         self,
         fid: FragmentId,
         live: set[int],
-        listing: dict[int, list[tuple[int, str]]] | None,
+        listing: dict[int, dict[str, list[tuple[int, str]]]] | None,
         shapes: list[torch.Size],
         g: _Gathered,
         ours: tuple[list[torch.Tensor], str],
@@ -218,9 +217,10 @@ class RoundExchange:
         arrived = False
         for r in sorted(live - set(g.found) - {fid.replica}):
             if listing is not None:
-                candidates = [key for _, key in listing.get(r, [])[:MAX_CANDIDATES]]
+                candidates = [key for sg in sorted(listing.get(r, {})) for _, key in listing[r][sg]]
             else:
-                candidates = [self._primary(fid, r, s) for s in sorted(self.reader.signers(r))]
+                signers = sorted(s for s in self.reader.signers(r) if self.reader.counts_for(s, r))
+                candidates = [self._primary(fid, r, s) for s in signers]
             for key in candidates:
                 if self._valid(fid, r, key, shapes, g, ours):
                     g.found[r] = (key, self.store.store_now())
@@ -245,13 +245,17 @@ class RoundExchange:
         stamps: dict[int, int] = {}
         chosen: dict[int, str] = {}
         for r in sorted(live):
-            for t, key in listing.get(r, [])[:MAX_CANDIDATES]:
-                ok = self._valid(fid, r, key, shapes, g, ours)
-                if ok is None:
-                    return None
-                if ok:
-                    stamps[r], chosen[r] = t, key
-                    break
+            firsts: list[tuple[int, str]] = []  # each signer's first valid fragment
+            for sg in sorted(listing.get(r, {})):
+                for t, key in listing[r][sg]:
+                    ok = self._valid(fid, r, key, shapes, g, ours)
+                    if ok is None:
+                        return None
+                    if ok:
+                        firsts.append((t, key))
+                        break
+            if firsts:  # the slot's: the earliest (a replaced signer's, in a round it took part in)
+                stamps[r], chosen[r] = min(firsts)
         window_s = math.ceil(self.timeout_s)
         return decide(stamps, live, quorum=self.quorum_of(live), window_s=window_s, now_s=now_s), chosen
 
@@ -296,7 +300,7 @@ class RoundExchange:
             now = time.monotonic()
             relist = below and (now - listed_at >= max(5.0, self.timeout_s) or now > give_up)
             listed = self.reader.listing(fid) if squatted or relist else None
-            listed_at = now if listed is not None else listed_at
+            listed_at = now if squatted or relist else listed_at  # asked (a store that does not answer too)
             if self._poll(fid, live, listed[0] if listed else None, shapes, g, ours):
                 backoff.reset()
             want = self._settles_at(live, g)
@@ -306,7 +310,7 @@ class RoundExchange:
                     break
                 if settled is not None and settled[0].settles_at_s is not None:
                     want = max(want, settled[0].settles_at_s + 0.05)
-            if want is None and time.monotonic() > give_up and listed is not None:  # below quorum all along
+            if want is None and listed_at > give_up:  # below quorum all along, and listed once more after it
                 break
             grace_s = max(self.timeout_s, 10.0)
             if want is not None and self.store.store_now() - want > grace_s:

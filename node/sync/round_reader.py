@@ -15,6 +15,9 @@ from protocol.net.store import ObjectStore, StoreError
 
 log = logging.getLogger("node.sync.round_exchange")  # the exchange's lines, under the one name they had
 
+MAX_CANDIDATES = 4
+"""Keys of one signer a reader tries for one slot of one round (its primary key and hash-named ones)."""
+
 
 class RoundReader:
     """One replica's reads of its stage's rounds. It knows who may sign each replica's slot (the node there
@@ -28,8 +31,9 @@ class RoundReader:
         signer: str,
         stage_peers: dict[int, str],
         former_stage_peers: dict[int, set[str]] | None,
+        max_bytes: int,
     ) -> None:
-        self.store, self.replica, self.signer = store, replica, signer
+        self.store, self.replica, self.signer, self.max_bytes = store, replica, signer, max_bytes
         self.stage_peers = dict(stage_peers)
         self.former: dict[int, set[str]] = {r: set(v) for r, v in (former_stage_peers or {}).items()}
 
@@ -57,10 +61,23 @@ class RoundReader:
     def slots(self) -> set[int]:
         return set(self.stage_peers) | {self.replica}
 
-    def listing(self, fid: FragmentId) -> tuple[dict[int, list[tuple[int, str]]], int] | None:
-        """The round's fragment keys per replica with their LastModified, (t, key) in order, keeping only
-        those named by a signer of the replica's slot (anything else under the round is not looked at),
-        and the store's clock when it answered; None if the LIST was not answered.
+    def counts_for(self, signer: str, r: int) -> bool:
+        """Whether `signer`'s fragments count for slot r: a signer of the slot that holds no other slot of
+        this stage now (a node moved to another slot cannot also fill the one it left)."""
+        if signer not in self.signers(r):
+            return False
+        holds = {self.replica: self.signer, **self.stage_peers}
+        return all(q == r for q, s in holds.items() if s == signer)
+
+    def listing(self, fid: FragmentId) -> tuple[dict[int, dict[str, list[tuple[int, str]]]], int] | None:
+        """The round's candidate fragments, slot -> signer -> [(LastModified, key)], and the store's clock
+        when it answered; None if the LIST was not answered. A signer's list is its primary key first, then
+        its hash-named keys in (t, key) order, at most MAX_CANDIDATES: what one signer plants costs a reader
+        that many GETs, and cannot crowd another signer out. Listed only: keys a signer that counts for the
+        slot names (`counts_for`), single-part objects (S3 dates a multipart object when its upload was
+        created: a signer could backdate it past the deadline) of at most `max_bytes`, in the STANDARD
+        storage class (an archived object is listed but cannot be read). Anything else under the round is
+        not looked at.
 
         R2 bills a LIST as a class A operation (12.5x a GET), so the exchange polls the primary keys with
         GETs and lists the round only to decide it (node/sync/round_rule.py), and while a missing slot's
@@ -72,12 +89,21 @@ class RoundReader:
         except StoreError as e:
             log.warning("listing %s failed (polling the primary keys meanwhile): %s", prefix, e)
             return None
-        found: dict[int, list[tuple[int, str]]] = {}
-        for key, t in listed.stamps.items():
+        found: dict[int, dict[str, list[tuple[bool, int, str]]]] = {}
+        for key, o in listed.objects.items():
             parsed = keys.parse_sync_key(prefix, key)
-            if parsed is not None and parsed[1] in self.signers(parsed[0]):
-                found.setdefault(parsed[0], []).append((t, key))
-        return {r: sorted(ks) for r, ks in found.items()}, listed.now_s
+            if parsed is None or not self.counts_for(parsed[1], parsed[0]):
+                continue
+            if "-" in o.etag or o.size > self.max_bytes or o.storage_class not in ("STANDARD", ""):
+                log.debug("not a candidate fragment (multipart, too large or archived): %s", key)
+                continue
+            found.setdefault(parsed[0], {}).setdefault(parsed[1], []).append(
+                (parsed[2] is not None, o.t, key)
+            )
+        return {
+            r: {sg: [(t, key) for _, t, key in sorted(ks)[:MAX_CANDIDATES]] for sg, ks in by.items()}
+            for r, by in found.items()
+        }, listed.now_s
 
 
-__all__ = ["RoundReader"]
+__all__ = ["MAX_CANDIDATES", "RoundReader"]

@@ -37,6 +37,8 @@ class ObjectTooLarge(StoreError):
     """An object is larger than the caller's bound for it; it was not downloaded."""
 
 
+CLOCK_WINDOW_S = 300.0
+"""How long answers' Date headers are pooled into one estimate of the store's clock."""
 DEFAULT_PART_BYTES = 64 << 20
 """Multipart threshold and part size for file transfers: a 5 GB stage goes up in 75 parts."""
 MIN_PART_BYTES = 5 << 20
@@ -49,6 +51,11 @@ def check_part_bytes(part_bytes: int) -> None:
             f"part_bytes={part_bytes} is below S3's {MIN_PART_BYTES}-byte (5 MiB) minimum part size; "
             "a multipart upload with smaller parts is refused when it completes"
         )
+
+
+class ObjectUnreadable(StoreError):
+    """The store refuses to serve an object it lists (archived, encrypted with a key we lack, denied): a
+    4xx that asking again will not change."""
 
 
 class ObjectChanged(StoreError):
@@ -65,11 +72,22 @@ class ObjectInfo:
 
 
 @dataclass(frozen=True)
-class Listing:
-    """One LIST of a prefix on the store's own clock, in whole seconds (S3's and R2's resolution)."""
+class Listed:
+    """One object as a LIST reports it."""
 
-    stamps: dict[str, int]
-    """Key -> its LastModified, floored to the second (Unix time)."""
+    t: int
+    """Its LastModified, floored to the second (Unix time; S3's and R2's resolution). For a multipart
+    object S3 dates it when the upload was created, not completed."""
+    size: int
+    etag: str
+    storage_class: str
+
+
+@dataclass(frozen=True)
+class Listing:
+    """One LIST of a prefix on the store's own clock."""
+
+    objects: dict[str, Listed]
     now_s: int
     """The store's clock (its Date header) when it answered the first page, floored: every object whose
     PUT completed before then is listed (S3 and R2 list strongly consistently)."""
@@ -170,19 +188,27 @@ class ObjectStore:
         """Every S3 API call this client made (multipart parts and pinned ranged GETs included), by
         operation and outcome, with their latency: counted by botocore's own call events."""
         self.ops.watch(self.client)
-        self._clock_offset_s = 0.0
-        """The store's clock minus ours, from the Date header of its last answer (1 s resolution)."""
+        self._clock_offset_s: float | None = None
+        """The store's clock minus ours: the largest (Date header - our clock) of its answers since
+        `_clock_since` (a Date floors to the second, so each answer is at most a second low)."""
+        self._clock_since = 0.0
         self.client.meta.events.register("after-call.s3", self._note_clock)
 
     def _note_clock(self, http_response: Any, **_: Any) -> None:
         when = _http_date(getattr(http_response, "headers", {}).get("Date"))
-        if when is not None:
-            self._clock_offset_s = when - time.time()
+        if when is None:
+            return
+        now = time.time()
+        offset = when - now
+        if self._clock_offset_s is None or now - self._clock_since > CLOCK_WINDOW_S:
+            self._clock_offset_s, self._clock_since = offset, now  # (re)start: our clock may have been set
+        else:
+            self._clock_offset_s = max(self._clock_offset_s, offset)
 
     def store_now(self) -> float:
-        """The store's clock now, as far as its last answer tells (its Date header floors: at most a
-        second behind, plus the answer's latency)."""
-        return time.time() + self._clock_offset_s
+        """The store's clock now, as far as its answers tell (at most about a second behind it, never
+        ahead by more than an answer's latency); our clock until the store has answered."""
+        return time.time() + (self._clock_offset_s or 0.0)
 
     def _count(self, up: int = 0, down: int = 0) -> None:
         with self._lock:
@@ -250,6 +276,12 @@ class ObjectStore:
         except botocore.exceptions.ClientError as e:
             if e.response["Error"]["Code"] in ("NoSuchKey", "404"):
                 return None
+            status = int(e.response.get("ResponseMetadata", {}).get("HTTPStatusCode", 0) or 0)
+            if 400 <= status < 500 and status not in (408, 429):
+                raise ObjectUnreadable(
+                    f"GET {key}: the store refuses to serve it ({e}); if it refuses every object, check the "
+                    "credentials"
+                ) from e
             raise self._fail(f"GET {key}", e) from e
         except botocore.exceptions.BotoCoreError as e:
             raise self._fail(f"GET {key}", e) from e
@@ -277,7 +309,7 @@ class ObjectStore:
         """Every key under `prefix` with its LastModified, and the store's clock when it answered: what
         a rule decided by the store's own timestamps reads (node/sync/round_rule.py). A store that sends
         no Date header is read on our clock instead (the rule then trusts our clock's agreement with it)."""
-        stamps: dict[str, int] = {}
+        objects: dict[str, Listed] = {}
         now: int | None = None
         try:
             for page in self.client.get_paginator("list_objects_v2").paginate(
@@ -287,10 +319,15 @@ class ObjectStore:
                     sent = _http_date(page.get("ResponseMetadata", {}).get("HTTPHeaders", {}).get("date"))
                     now = int(sent if sent is not None else time.time())
                 for obj in page.get("Contents", []):
-                    stamps[obj["Key"]] = int(obj["LastModified"].timestamp())
+                    objects[obj["Key"]] = Listed(
+                        t=int(obj["LastModified"].timestamp()),
+                        size=int(obj.get("Size", 0)),
+                        etag=str(obj.get("ETag", "")),
+                        storage_class=str(obj.get("StorageClass", "STANDARD")),
+                    )
         except (botocore.exceptions.ClientError, botocore.exceptions.BotoCoreError) as e:
             raise self._fail(f"LIST {prefix}", e) from e
-        return Listing(stamps, now if now is not None else int(time.time()))
+        return Listing(objects, now if now is not None else int(time.time()))
 
     def delete(self, key: str) -> None:
         try:

@@ -16,6 +16,7 @@ import time
 from collections import Counter
 from dataclasses import replace
 
+from coordinator.grant_issuer import GrantIssuer
 from coordinator.lease import launch as launch  # where it lived: callers (tests) import it from here
 from coordinator.lease import renew, try_acquire
 from coordinator.managed_run import ACTIVE, ManagedRun, RunFaults, busy_peers
@@ -90,6 +91,8 @@ class Coordinator:
         )
         self.placer = RunPlacer(store, self.trust, self.runs, self.publisher, self.events)
         self.watch = RunWatch(self.placer, self.publisher, churn_grace_s=churn_grace_s)
+        self.grants = GrantIssuer(identity, store, certificate=certificate)
+        """Write grants for the placed nodes that write through them (coordinator/grant_issuer.py)."""
 
     # --- views --------------------------------------------------------------------------------------
     def adverts(self) -> dict[str, NodeAdvert]:
@@ -173,6 +176,8 @@ class Coordinator:
             self.placer.place(run, adverts)
         elif run.record.state == "running":
             self.watch.watch(run, adverts)
+        if run.record.state == "running":
+            self.grants.issue(run, adverts)
         elif run.record.state == "stopping":
             self.watch.watch_stop(run, adverts)
 

@@ -45,6 +45,7 @@ from protocol.process.metrics import render
 from protocol.schema import ProtocolError
 from protocol.trust.assignment_archive import MAX_ARCHIVE_BYTES, open_archive
 from protocol.trust.delegation import OperatorTrust, RefusalLog, Untrusted
+from protocol.trust.grant_mail import GrantInbox, mail_key_hex
 from protocol.trust.run_authority import RunAuthority
 
 log = logging.getLogger(__name__)
@@ -55,6 +56,9 @@ ENDED = ("stopping", "stopped", "done", "failed")
 ARCHIVE_READS = 4
 """Newer assignment archives read at most to judge one assignment: junk a store writer planted under
 archive names costs a few GETs and supersedes nothing (only what a trusted key signed counts)."""
+GRANT_WAIT_S = 60.0
+"""How long a worker that writes through grants waits for its first grant mail before it starts anyway
+(its writes then ask for mails again)."""
 MAX_JUDGED = 1024
 """Stale assignments remembered (then forgotten all at once, and judged again if still published)."""
 
@@ -337,6 +341,8 @@ class NodeDaemon:
         self.coordinator_role: CoordinatorChild | None = None
         self._worker_thread: threading.Thread | None = None
         self._worker: StageWorker | None = None
+        self.mail_key = mail_key_hex(identity) if cfg.store.grants else ""
+        """Advertised when this node writes through grants: what the coordinator seals them to."""
         try:
             self.store = ObjectStore(cfg.store)
         except StoreError as e:  # e.g. a remote store and no credentials anywhere
@@ -473,6 +479,7 @@ class NodeDaemon:
             bytes_pipe=m.bytes_pipe_sent + m.bytes_pipe_recv,
             bytes_store=m.bytes_store_up + m.bytes_store_down,
             timestamp=dht_time(),
+            mail_key=self.mail_key,
         )
 
     def _advert_loop(self) -> None:
@@ -562,10 +569,13 @@ class NodeDaemon:
         self.assignment = a
         self._stop_reason = None
         self.metrics = WorkerMetrics(state="assigned", run_id=a.run_id, replica=a.replica, stage=a.stage)
+        assert self.cfg.store is not None  # __init__ refused a node without one
+        # with grants the worker writes only the keys its coordinator granted it, each once
+        inbox = GrantInbox(self.cfg.store, self.identity, self.trust, a.run_id) if self.mail_key else None
         self._worker = worker = StageWorker(
             a,
             identity=self.identity,
-            store=self.store,
+            store=self.store if inbox is None else inbox.store,
             acceptor=self.acceptor,
             data=self.data,
             metrics=self.metrics,
@@ -578,6 +588,13 @@ class NodeDaemon:
 
         def run() -> None:
             try:
+                if inbox is not None and not inbox.wait(GRANT_WAIT_S, lambda: self._stop_reason is not None):
+                    log.warning(
+                        "run %s: no grant mail from the coordinator within %.0f s; starting anyway (each write "
+                        "asks for mails again, one without a grant fails)",
+                        a.run_id,
+                        GRANT_WAIT_S,
+                    )
                 reason = worker.run()
                 log.info("run %s replica %d stage %d: %s", a.run_id, a.replica, a.stage, reason)
             except (LinkError, ProtocolError, StoreError, TimeoutError) as e:  # the swarm around us failed

@@ -137,7 +137,8 @@ def check_store(
     cfg: StoreConfig, peer_id: str, labels: Mapping[str, str], timeout_s: float = STORE_TIMEOUT_S
 ) -> None:
     """The store answers and takes a write: a small object is put under this node's probe key, then
-    deleted. `labels` name each StoreConfig field as the user gave it (flag or config key)."""
+    deleted (with grants, `cfg.grants`, it answers a LIST instead: the credential may be read-only).
+    `labels` name each StoreConfig field as the user gave it (flag or config key)."""
     import botocore.exceptions
 
     from protocol.net.store import ObjectStore, StoreError
@@ -155,8 +156,14 @@ def check_store(
     check_reachable(endpoint, url, u.hostname or "", port, CONNECT_TIMEOUT_S, "the object store")
     key = keys.preflight_key(peer_id)
     try:
-        store.put(key, PROBE_BYTES)
-        store.delete(key)
+        if cfg.grants:
+            log.info(
+                "store check: a LIST only, no probe write: this node writes through grants (--store-grants)"
+            )
+            store.list(key)
+        else:
+            store.put(key, PROBE_BYTES)
+            store.delete(key)
     except StoreError as e:
         cause = e.__cause__
         code = ""
@@ -169,7 +176,8 @@ def check_store(
             ) from e
         if code in ("AccessDenied", "InvalidAccessKeyId", "SignatureDoesNotMatch", "403", "Forbidden"):
             raise UsageError(
-                f"store credentials ({creds}, from {store.credential_source}) may not write to bucket "
+                f"store credentials ({creds}, from {store.credential_source}) may not "
+                f"{'read' if cfg.grants else 'write to'} bucket "
                 f"{cfg.bucket!r} at {url}: {reason}"
             ) from e
         raise bad_input(

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import logging
 import os
 import time
 import uuid
@@ -12,6 +13,8 @@ import torch
 from node.device import synchronize
 from protocol import keys
 from protocol.net.store import ObjectStore, StoreError
+
+log = logging.getLogger(__name__)
 
 
 def device_name(device: torch.device) -> str:
@@ -50,7 +53,11 @@ def measure_tflops(device: torch.device, dtype: torch.dtype, n: int = 512, secon
 
 
 def measure_store_mbps(store: ObjectStore, nbytes: int = 1 << 20) -> float:
-    """Upload bandwidth to the store (Mbit/s) from one PUT of `nbytes`; 0 if the store is unreachable."""
+    """Upload bandwidth to the store (Mbit/s) from one PUT of `nbytes`; 0 if the store is unreachable, or
+    not measured (0) when the node writes through grants (it may not write and delete a probe key)."""
+    if store.cfg.grants:
+        log.info("store upload bandwidth not measured: this node writes through grants only (--store-grants)")
+        return 0.0
     key = keys.bandwidth_probe_key(uuid.uuid4().hex)
     data = os.urandom(nbytes)
     try:

@@ -54,6 +54,7 @@ from protocol import keys
 from protocol.envelope import open_envelope, seal
 from protocol.identity import Identity, SignatureError, peer_id_of, public_key_of_peer_id
 from protocol.messages import Assignment, CheckpointManifest, CheckpointPointer
+from protocol.net.grants import GrantedStore
 from protocol.net.store import (
     DEFAULT_PART_BYTES,
     ObjectChanged,
@@ -237,7 +238,8 @@ def write_checkpoint(
     at it. Tensors may live on any device and in any dtype safetensors holds (bf16 included); they are
     copied to the CPU, made contiguous and written to a temporary file (in `tmp_dir`, default the system's:
     it needs room for the whole checkpoint), hashed in chunks, and uploaded by boto3's managed transfer in
-    `part_bytes` parts when larger than that. The manifest follows, the pointer last. Returns the manifest.
+    `part_bytes` parts when larger than that. The manifest follows, the pointer last (none through write
+    grants, a GrantedStore: it writes each key once, and readers list the rounds). Returns the manifest.
 
     Raises ValueError for a bad argument (before anything is written) and StoreError when the store
     refuses; LATEST then still names the previous checkpoint."""
@@ -271,15 +273,16 @@ def write_checkpoint(
     sealed = seal(identity, manifest)
     manifest_key = keys.ckpt_manifest_key(run_id, rnd=round, stage=stage, replica=replica)
     store.put(manifest_key, sealed)
-    pointer = CheckpointPointer(
-        run_id=run_id,
-        stage=stage,
-        replica=replica,
-        round=round,
-        manifest_key=manifest_key,
-        manifest_sha256=hashlib.sha256(sealed).hexdigest(),
-    )
-    store.put(keys.ckpt_pointer_key(run_id, stage=stage, replica=replica), seal(identity, pointer))
+    if not isinstance(store, GrantedStore):  # one that writes each key once moves no pointer: readers list
+        pointer = CheckpointPointer(
+            run_id=run_id,
+            stage=stage,
+            replica=replica,
+            round=round,
+            manifest_key=manifest_key,
+            manifest_sha256=hashlib.sha256(sealed).hexdigest(),
+        )
+        store.put(keys.ckpt_pointer_key(run_id, stage=stage, replica=replica), seal(identity, pointer))
     log.info(
         "checkpoint %s stage %d replica %d round %d (step %d): %d tensors, %d bytes%s",
         run_id,

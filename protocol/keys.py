@@ -198,6 +198,19 @@ def parse_ckpt_round(run: str, prefix: str) -> int | None:
     return int(digits)
 
 
+def grants_prefix(run: str, peer_id: str) -> str:
+    """The grant mails (protocol/trust/grant_mail.py) the coordinators sealed to one node."""
+    return f"{run}/grants/{peer_id}/"
+
+
+def grant_mail_key(run: str, peer_id: str, first_round: int, term: int, seq: int = 0) -> str:
+    """One mail: the grants of rounds from `first_round` on, issued in lease term `term` (written once);
+    `seq` > 0 names a renewal from the same round in the same term (the grants were near their expiry).
+    Names sort in issue order within a term."""
+    tail = f"-{seq:04d}" if seq else ""
+    return f"{grants_prefix(run, peer_id)}{first_round:08d}-{term:06d}{tail}"
+
+
 def report_key(run: str, replica: int, stage: int) -> str:
     """A stage worker's final report (metrics JSON)."""
     return f"{run}/report/r{replica}-s{stage}"

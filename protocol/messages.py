@@ -134,9 +134,18 @@ class NodeAdvert:
     bytes_store: int = 0
     """Object-store bytes uploaded + downloaded so far in the current run."""
     timestamp: float = 0.0
+    mail_key: str = ""
+    """The node's X25519 grant-mail public key, 64 hex characters (protocol/trust/grant_mail.py): set when
+    it writes through grants, so the coordinator seals them to it; empty otherwise."""
 
     def __post_init__(self) -> None:
         check_finite(self)
+        if self.mail_key and not (
+            len(self.mail_key) == 64 and all(c in "0123456789abcdef" for c in self.mail_key)
+        ):
+            raise ValueError(
+                f"NodeAdvert.mail_key={describe(self.mail_key)} must be 64 lowercase hex characters or empty"
+            )
         for name in ("peer_id", "version", "device", "host"):
             _check_text(f"NodeAdvert.{name}", getattr(self, name), empty_ok=name in ("version", "device"))
         for name in ("memory_gb", "free_memory_gb"):

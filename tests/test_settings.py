@@ -83,6 +83,8 @@ def test_the_store_and_the_swarm_are_declared_once_for_the_node_and_serve() -> N
         "store_bucket": "bucket",
         "store_access_key": "access_key",
         "store_secret_key": "secret_key",
+        "store_part_mib": "part_mib",
+        "store_grant_hours": "grant_hours",
     }
     for name, key in STORE_FIELDS.items():
         assert dataclasses.replace(serve[name], key=key) == store[key], name

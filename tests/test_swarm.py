@@ -398,9 +398,9 @@ def test_sparseloco_bytes_per_round_and_corrupted_fragments_in_the_store(
 
     Every node uploads dense/ratio bytes per round (within 10%). The garbage (a flipped bit, a NaN scale
     under a valid signature, a truncated fragment) is planted under replica 1's slot of a round before
-    replica 1 gets there, at keys naming replica 1's signer (issue 10 finding 6: squatting): both
-    replicas reject it, replica 1's own fragment lands beside it, every round uses both replicas and
-    both end with identical weights."""
+    replica 1 gets there, at keys naming replica 1's signer (issue 10 finding 6: squatting; the truncated
+    one at its primary key): it takes no slot, replica 1's own fragment lands beside it, every round uses
+    both replicas and both end with identical weights."""
     run_id, H, rounds = "swarm-sl", 5, 14  # P = 1: one fragment per stage and round
     toml = tmp_path / "run.toml"
     toml.write_text(  # a k = d/8 subspace link, as the default run's
@@ -426,7 +426,12 @@ def test_sparseloco_bytes_per_round_and_corrupted_fragments_in_the_store(
             blob = corrupt(kind, signer[st], FragmentId(run_id, st, 0, rnd, 1), shapes[st], cfg)
             rnd += 1
             if not store.list(keys.slot_prefix(run_id, st, 0, rnd - 1, 1)):  # replica 1 is not there yet
-                store.put(keys.sync_key(run_id, st, 0, rnd - 1, 1, signer[st].peer_id, blob), blob)
+                at = (  # the truncated one squats replica 1's primary key; the others lie beside it
+                    keys.primary_fragment_key(run_id, st, 0, rnd - 1, 1, signer[st].peer_id)
+                    if kind == "truncated"
+                    else keys.sync_key(run_id, st, 0, rnd - 1, 1, signer[st].peer_id, blob)
+                )
+                store.put(at, blob)
                 placed.append((kind, st, rnd - 1))
                 break
 
@@ -458,7 +463,9 @@ def test_sparseloco_bytes_per_round_and_corrupted_fragments_in_the_store(
         for _, s, r in placed:
             if s == st:  # the garbage and replica 1's real fragment side by side
                 assert len(store.list(keys.slot_prefix(run_id, st, 0, r, 1))) == 2
-    assert rejected_total >= len(placed)  # replica 1 lists its slot before it uploads: it meets each one
+    # the squatted primary key is read, and rejected, by both replicas (replica 1 when its PUT is refused);
+    # garbage beside a valid primary fragment need not be read at all (a signer's primary key comes first)
+    assert rejected_total >= 2
     logs = "".join(swarm.nodes[i].log_text() for i in slots.values())
     assert logs.count("rejected an object under replica 1's slot") == rejected_total
     for i in slots.values():

@@ -35,6 +35,7 @@ from node.sync.exchange import Encoding, Exchanged, FragmentCodec, FragmentId, R
 from node.sync.round_reader import RoundReader
 from node.sync.round_rule import Decision, decide, majority
 from protocol import keys
+from protocol.net.grants import GrantedStore
 from protocol.net.store import ObjectStore, ObjectTooLarge, ObjectUnreadable, StoreError
 from protocol.schema import ProtocolError
 
@@ -403,11 +404,27 @@ class RoundExchange:
         """Upload our fragment to our primary key, or, if that holds anything but a valid fragment of ours,
         to the key naming its hash, and note our slot in g: ours, or a valid fragment of ours already at
         the primary key (from before a restart). Nothing noted: the store did not answer (again at the
-        next poll), or both keys held other bytes."""
+        next poll), or both keys held other bytes.
+
+        A node writing through grants (protocol/net/grants.py) writes its primary key only, the one key of
+        the round it was granted (nobody else can take it); without a grant for it, after asking for newer
+        grants, the upload has failed: the round goes on without ours, and is not tried again."""
         me, signer = fid.replica, self.codec.signer
         primary = self._primary(fid, me, signer)
         by_hash = keys.fragment_key(fid.run_id, fid.stage, fid.fragment, fid.round, me, signer, ours[1])
-        for key in (k for k in (primary, by_hash) if k not in g.bad):
+        granted = isinstance(self.store, GrantedStore)
+        if isinstance(self.store, GrantedStore) and primary not in g.bad and not self.store.holds(primary):
+            log.warning(
+                "run %s stage %d round %d fragment %d: no grant to write our fragment %s; the round goes on "
+                "without it (is the coordinator issuing grants? see its log)",
+                fid.run_id,
+                fid.stage,
+                fid.round,
+                fid.fragment,
+                primary,
+            )
+            g.bad.add(primary)
+        for key in (k for k in ((primary,) if granted else (primary, by_hash)) if k not in g.bad):
             state, stored = self.put_once(key, data)
             if state is None:
                 return

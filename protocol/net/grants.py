@@ -19,7 +19,7 @@ import os
 import re
 import threading
 import time
-from collections.abc import Iterable, Mapping
+from collections.abc import Callable, Iterable, Mapping
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from typing import Any
@@ -52,6 +52,10 @@ MAX_KEY_BYTES = 1024
 MAX_URL_BYTES = 8192
 MAX_WIRE_GRANTS = 100_000
 """The most grants (PUTs plus uploads) one `Grants.from_wire` takes."""
+
+
+EXPIRY_MARGIN_S = 10.0
+"""A grant expiring within this many seconds makes a write ask for newer ones first (a renewal)."""
 
 
 class GrantError(ValueError):
@@ -291,9 +295,19 @@ class GrantedStore(ObjectStore):
         *,
         timeout_s: float = 30.0,
         part_workers: int = 4,
+        refill: Callable[[], None] | None = None,
+        refill_every_s: float = 2.0,
     ) -> None:
+        """refill: called (at most once per `refill_every_s`) when a write finds no grant, to fetch newer
+        grants (`add_grants`) before the write gives up with NoGrant."""
         super().__init__(cfg, timeout_s=timeout_s)
         self._grants_lock = threading.Lock()
+        self._refill, self.refill_every_s = refill, refill_every_s
+        self._refill_lock = threading.Lock()
+        self._refilled_at = -math.inf
+        self.part_bytes: int | None = None
+        """The part size of this store's multipart uploads, in place of the caller's (set from the grant
+        mail: the coordinator sized the part count of its multipart grants for it); None: the caller's."""
         self._puts: dict[str, Grant] = {}
         self._uploads: dict[str, MultipartGrant] = {}
         self.part_workers = part_workers
@@ -315,10 +329,15 @@ class GrantedStore(ObjectStore):
             self.add_grants(grants)
 
     def add_grants(self, grants: Grants) -> None:
-        """Adds (or renews: a later grant of a key replaces the earlier) what this node may write."""
+        """Adds (or renews: of two grants of a key the one that expires later is kept) what this node may
+        write."""
         with self._grants_lock:
-            self._puts.update((g.key, g) for g in grants.puts)
-            self._uploads.update((u.key, u) for u in grants.uploads)
+            for g in grants.puts:
+                if g.key not in self._puts or g.expires_at >= self._puts[g.key].expires_at:
+                    self._puts[g.key] = g
+            for u in grants.uploads:
+                if u.key not in self._uploads or u.expires_at >= self._uploads[u.key].expires_at:
+                    self._uploads[u.key] = u
 
     def _send(
         self, op: str, key: str, method: str, url: str, body: bytes, headers: dict[str, str]
@@ -347,7 +366,30 @@ class GrantedStore(ObjectStore):
             f"{time.strftime('%H:%M:%S', time.gmtime(expires_at))} UTC): {a.status} {_s3_error(a.body)}; {hint}"
         )
 
+    def _ask_for_more(self) -> None:
+        """A write found no grant: fetch newer ones (`refill`), unless asked within `refill_every_s`."""
+        if self._refill is None:
+            return
+        with self._refill_lock:
+            if time.monotonic() - self._refilled_at < self.refill_every_s:
+                return
+            self._refilled_at = time.monotonic()
+            self._refill()
+
+    def holds(self, key: str) -> bool:
+        """Whether this store holds a grant to write `key` that is not about to expire, after asking for
+        newer grants if not (one about to expire still counts: it is used if no newer one came)."""
+        for attempt in range(2):
+            with self._grants_lock:
+                found = [g.expires_at for g in (self._puts.get(key), self._uploads.get(key)) if g is not None]
+            if found and max(found) > time.time() + EXPIRY_MARGIN_S:
+                return True
+            if attempt == 0:
+                self._ask_for_more()
+        return bool(found)
+
     def _grant(self, key: str) -> Grant:
+        self.holds(key)  # asks for newer grants when none is held or it is about to expire
         with self._grants_lock:
             g = self._puts.get(key)
         if g is None:
@@ -390,8 +432,10 @@ class GrantedStore(ObjectStore):
         """Writes the file at `path` to `key` once: by its multipart grant (parts of `part_bytes`, larger
         if the grant has too few part URLs for them), or for a file of at most `part_bytes` by its PUT
         grant. Returns the stored object's size and ETag."""
+        part_bytes = self.part_bytes or part_bytes
         check_part_bytes(part_bytes)
         size = os.path.getsize(path)
+        self.holds(key)  # asks for newer grants when none is held or it is about to expire
         with self._grants_lock:
             upload, single = self._uploads.get(key), self._puts.get(key)
         if single is not None and (size <= part_bytes or upload is None):

@@ -9,7 +9,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from protocol.process.settings import check_fields, matching, not_empty, setting, url
+from protocol.process.settings import check_fields, in_range, matching, not_empty, setting, url
 
 BUCKET_PATTERN = r"[a-z0-9][a-z0-9.-]{1,61}[a-z0-9]"
 """S3 bucket names (as MinIO and R2 apply them too): 3-63 lowercase letters, digits, dots and dashes."""
@@ -57,6 +57,34 @@ class StoreConfig:
     """Secret key; empty = as for access_key."""
     region: str = setting("auto", "region name (R2 takes auto)", flag=None, check=not_empty)
     """Region name (R2 uses "auto")."""
+    grants: bool = setting(
+        False,
+        "write only with the coordinator's grants; the credential may be read-only (presigned write-once URLs "
+        "for this node's keys, sealed to it: protocol/net/grants.py)",
+        example=True,
+        flag="--store-grants",
+    )
+    """A node writes its fragments, checkpoints and report only through the grants the coordinator seals to
+    it (protocol/trust/grant_mail.py) and reads with `access_key`, which may then be read-only; the
+    node-level probes that write and delete (preflight, the upload-bandwidth probe) are skipped."""
+    part_mib: int = setting(
+        64,
+        "part size in MiB of checkpoint uploads through grants: a coordinator sizes each checkpoint's "
+        "multipart grant for it",
+        flag="--store-part-mib",
+        metavar="MIB",
+        check=in_range(5, 5120, "MiB"),
+    )
+    """S3 takes parts of 5 MiB to 5 GiB; the node's uploads take the size the mail names."""
+    grant_hours: float = setting(
+        24.0,
+        "how long the grants a coordinator issues stay valid, in hours (SigV4 allows at most 7 days)",
+        flag="--store-grant-hours",
+        metavar="HOURS",
+        check=in_range(0.01, 168, "hours"),
+    )
+    """A coordinator renews a node's grants at half their life, or when the node nears the end of its
+    window of rounds."""
 
     def __post_init__(self) -> None:
         check_fields(self)

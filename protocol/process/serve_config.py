@@ -27,9 +27,14 @@ from protocol.process.settings import (
 )
 
 _STORE = {s.key: s for s in settings_of(StoreConfig)}
-STORE_FIELDS = {s.option.removeprefix("--").replace("-", "_"): s.key for s in _STORE.values() if s.option}
+STORE_FIELDS = {
+    s.option.removeprefix("--").replace("-", "_"): s.key
+    for s in _STORE.values()
+    if s.option and s.key != "grants"
+}
 """serve's field for each store setting a flag gives, named after the flag (store_endpoint: --store-endpoint,
-StoreConfig's endpoint_url); the region, config-file only, keeps its default."""
+StoreConfig's endpoint_url); the region, config-file only, keeps its default, and so does `grants`, a node's
+setting: a coordinator holds the full credential and issues the grants."""
 STORE_FLAGS = tuple(STORE_FIELDS)
 """The store's settings, which other coordinator commands take too."""
 
@@ -48,6 +53,8 @@ class ServeConfig:
     store_bucket: str = setting_field(_STORE["bucket"])
     store_access_key: str = setting_field(_STORE["access_key"])
     store_secret_key: str = setting_field(_STORE["secret_key"])
+    store_part_mib: int = setting_field(_STORE["part_mib"])
+    store_grant_hours: float = setting_field(_STORE["grant_hours"])
     lease_s: float = setting(
         15.0,
         "run lease duration, renewed every tick; another coordinator takes a lapsed one over",
@@ -105,7 +112,15 @@ class ServeConfig:
 def store_of(given: Any) -> StoreConfig:
     """The store that `given`'s store_* values name: a ServeConfig's, or the parsed flags of a command that
     takes the store's (STORE_FLAGS)."""
-    return StoreConfig(**{key: getattr(given, name) for name, key in STORE_FIELDS.items()})
+    values = {key: getattr(given, name) for name, key in STORE_FIELDS.items()}
+    for key, value in values.items():  # a number given as a flag is still the flag's text
+        kind = _STORE[key].kind
+        if kind in (int, float) and isinstance(value, str):
+            try:
+                values[key] = kind(value)
+            except ValueError:
+                raise ValueError(f"{_STORE[key].option} {value!r}: not a number") from None
+    return StoreConfig(**values)
 
 
 def store_fields(store: StoreConfig) -> dict[str, Any]:

@@ -33,7 +33,9 @@ consensus weights on the held-out tail of the corpus, as a table on stderr and o
 --attack KIND makes one replica (--attack-replica, default the last) hostile during --attack-rounds
 (1-based outer rounds, inclusive): it trains and runs error feedback honestly, then replaces its SparseLoCo
 fragment with a forged one it signs with its own valid key: "x100" (scales x100), "flip" (every value
-negated: a sign flip of normal size) or "floatmax" (values up to 1e38, near float32's 3.4e38). --robust
+negated: a sign flip of normal size), "floatmax" (values up to 1e38, near float32's 3.4e38), "reversed"
+(minus the round's honest mean) or "orthogonal" (its own update negated, on coordinates no honest replica
+sent: orthogonal to the honest mean); the last two at the honest replicas' median norm. --robust
 picks the aggregation's bound on one replica's influence (`sync.robust`; default "trimmed"). A run whose
 weights stop being finite is reported as diverged (bits per byte null in the JSON).
 """
@@ -46,6 +48,7 @@ import json
 import logging
 import math
 import sys
+import threading
 import time
 from dataclasses import dataclass, replace
 from typing import Any
@@ -57,9 +60,10 @@ from node.data.corpus import Corpus
 from node.device import resolve_precision
 from node.inner_step import inner_step, make_optimizer, prepare_stage
 from node.model import Stage, build_full_model, lm_loss
+from node.sync.aggregation import norm
 from node.sync.outer_sync import Encoding, FragmentId, OuterSync
 from node.sync.sparseloco_sync import SparseLoCoCodec, make_sync_parts
-from protocol.codecs.sparseloco import CompressedFragment, SparseLoCoConfig, decompress
+from protocol.codecs.sparseloco import CompressedFragment, SparseLoCoConfig, compress, decompress
 from protocol.codecs.sparseloco_format import decode_fragment, encode_fragment
 from protocol.identity import Identity
 from protocol.net.store import ObjectStore
@@ -68,9 +72,14 @@ from scripts.bench_subspace_quality import bench_model
 from scripts.embedded_store import embedded_store
 
 ARMS = ("adamw", "diloco", "sparseloco", "stream_tau1", "stream_tau2")
-ATTACKS = ("x100", "flip", "floatmax")
+ATTACKS = ("x100", "flip", "floatmax", "reversed", "orthogonal")
+COLLUDING = ("reversed", "orthogonal")
+"""Attacks built from the round's honest contributions (`HonestBoard`), not from the attacker's own alone."""
 FLOATMAX_TARGET = 1e38
 """Largest |value| of a "floatmax" forgery: float32's max is 3.4e38, so two of them summed overflow."""
+BOARD_WAIT_S = 60.0
+"""How long a colluding forgery waits for the round's honest contributions (all are encoded in the same
+capture phase, before any replica applies, so only a bug makes it wait at all)."""
 
 
 @dataclass(kw_only=True, frozen=True)
@@ -133,15 +142,101 @@ def forge(cf: CompressedFragment, kind: str) -> CompressedFragment:
     raise ValueError(f"unknown attack {kind!r}; choose from {', '.join(ATTACKS)}")
 
 
-class ForgingCodec(SparseLoCoCodec):
-    """A replica holding a valid key that trains and keeps its error feedback honestly, but in the attack
-    window uploads a forged fragment signed with that key (every receiver verifies and decodes it)."""
+def forge_against(
+    kind: str, honest: list[list[torch.Tensor]], delta: list[torch.Tensor], cfg: SparseLoCoConfig
+) -> CompressedFragment:
+    """A hostile fragment aimed at the round's honest decoded contributions (replica order), at their
+    (lower) median norm:
 
-    def __init__(self, identity: Identity, cfg: SparseLoCoConfig, attack: Attack) -> None:
+        m = (1/n) sum_h Delta_h                        (the honest mean)
+        "reversed":    v = -m                          (every colluder sends the same one)
+        "orthogonal":  v = -delta on {i : m_i = 0}     (the attacker's own pseudo-gradient, negated, where
+                                                        no honest replica sent anything; 1-D tensors 0)
+
+    compressed as an honest encoder would (top-k per chunk, 2-bit values), then scaled so its decoded norm
+    is the median honest norm. An "orthogonal" fragment only holds coordinates where m is 0, so its decoded
+    values are orthogonal to m exactly (and to every honest contribution): it passes an agreement screen
+    at cosine 0 and, per coordinate, meets no honest value to be trimmed against."""
+    n = len(honest)
+    m = [
+        sum((h[i].double() for h in honest), torch.zeros_like(honest[0][i], dtype=torch.float64)) / n
+        for i in range(len(honest[0]))
+    ]
+    if kind == "reversed":
+        v = [(-t).float() for t in m]
+    elif kind == "orthogonal":
+        v = [
+            torch.where(t == 0, -d.detach().float().cpu(), 0.0) if t.dim() >= 2 else torch.zeros_like(d)
+            for t, d in zip(m, delta, strict=True)
+        ]
+    else:
+        raise ValueError(
+            f"attack {kind!r} is not aimed at the honest mean; choose from {', '.join(COLLUDING)}"
+        )
+    cf = compress(v, cfg)
+    got, target = norm(decompress(cf)), sorted(norm(h) for h in honest)[(n - 1) // 2]
+    s = np.float32(target / got if got > 0 else 0.0)
+    return replace(cf, ref_scale=cf.ref_scale * s, dense_scale=cf.dense_scale * s)
+
+
+class HonestBoard:
+    """What colluding replicas know of a round: the honest replicas' decoded contributions. The bench
+    hands them over in-process (the colluders could read the same from the store once the honest fragments
+    are uploaded, and upload theirs within the round's window; in-process is the same for them and keeps
+    the round's timing). Keyed by (fragment, round); honest replicas post at encode (only in the attack's
+    rounds, so a long run keeps no more than those), forgers wait."""
+
+    def __init__(self, honest: set[int], attack: Attack) -> None:
+        self.honest, self.attack = honest, attack
+        self._posted: dict[tuple[int, int], dict[int, list[torch.Tensor]]] = {}
+        self._cv = threading.Condition()
+
+    def post(self, fid: FragmentId, tensors: list[torch.Tensor]) -> None:
+        if not self.attack.active(fid.round):
+            return
+        with self._cv:
+            self._posted.setdefault((fid.fragment, fid.round), {})[fid.replica] = tensors
+            self._cv.notify_all()
+
+    def wait(self, fid: FragmentId) -> list[list[torch.Tensor]]:
+        """The honest contributions of fid's fragment and round, in replica order."""
+        key = (fid.fragment, fid.round)
+        with self._cv:
+            if not self._cv.wait_for(lambda: set(self._posted.get(key, {})) >= self.honest, BOARD_WAIT_S):
+                raise RuntimeError(f"round {fid.round}: the honest contributions never all arrived")
+            got = self._posted[key]
+            return [got[r] for r in sorted(self.honest)]
+
+
+class PostingCodec(SparseLoCoCodec):
+    """An honest replica whose decoded contribution the colluders see (`HonestBoard`); its fragments are
+    the honest codec's, bit for bit (encoded at once instead of on the I/O thread)."""
+
+    def __init__(self, identity: Identity, cfg: SparseLoCoConfig, board: HonestBoard) -> None:
         super().__init__(identity, cfg, device_path=False)
-        self.attack = attack
+        self.board = board
 
     def encode(self, fid: FragmentId, delta: list[torch.Tensor]) -> Encoding:
+        data, own = super().encode(fid, delta)()
+        self.board.post(fid, own)
+        return lambda: (data, own)
+
+
+class ForgingCodec(SparseLoCoCodec):
+    """A replica holding a valid key that trains and keeps its error feedback honestly, but in the attack
+    window uploads a forged fragment signed with that key (every receiver verifies and decodes it).
+    board: the round's honest contributions, for the attacks in COLLUDING."""
+
+    def __init__(
+        self, identity: Identity, cfg: SparseLoCoConfig, attack: Attack, board: HonestBoard | None = None
+    ) -> None:
+        super().__init__(identity, cfg, device_path=False)
+        self.attack, self.board = attack, board
+        if attack.kind in COLLUDING and board is None:
+            raise ValueError(f"attack {attack.kind!r} needs the round's honest contributions (a HonestBoard)")
+
+    def encode(self, fid: FragmentId, delta: list[torch.Tensor]) -> Encoding:
+        mine = [d.detach().clone() for d in delta] if self.attack.kind == "orthogonal" else delta
         honest = super().encode(fid, delta)
         if not self.attack.active(fid.round):
             return honest
@@ -149,7 +244,10 @@ class ForgingCodec(SparseLoCoCodec):
         def forged() -> tuple[bytes, list[torch.Tensor]]:
             data, _ = honest()
             header, cf, _ = decode_fragment(data)
-            bad = forge(cf, self.attack.kind)
+            if self.board is not None and self.attack.kind in COLLUDING:
+                bad = forge_against(self.attack.kind, self.board.wait(fid), mine, self.cfg)
+            else:
+                bad = forge(cf, self.attack.kind)
             return encode_fragment(self.identity, header, bad), decompress(bad)
 
         return forged
@@ -228,14 +326,21 @@ def run_outer(
     ids = [Identity.from_seed(bytes([r + 1]) * 32) for r in range(s.replicas)]
     peers = {r: ids[r].peer_id for r in range(s.replicas)}
     replicas, syncs = [], []
+    hostile = set() if attack is None else {attack.replica, *attack.colluders}
+    board = None
+    if attack is not None and attack.kind in COLLUDING:
+        board = HonestBoard(set(range(s.replicas)) - hostile, attack)
     for r in range(s.replicas):
         model, opt = new_model(s)
         parts = make_sync_parts(spec, ids[r])  # the swarm's codec, aggregation and outer momentum
         codec = parts.codec
-        if attack is not None and r in (attack.replica, *attack.colluders):
+        if attack is not None:
             if not isinstance(codec, SparseLoCoCodec):
                 raise ValueError(f"--attack needs a SparseLoCo arm; {name} is {sync.method}")
-            codec = ForgingCodec(ids[r], codec.cfg, attack)
+            if r in hostile:
+                codec = ForgingCodec(ids[r], codec.cfg, attack, board)
+            elif board is not None:
+                codec = PostingCodec(ids[r], codec.cfg, board)
         syncs.append(
             OuterSync(
                 list(model.parameters()),

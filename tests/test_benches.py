@@ -63,3 +63,17 @@ def test_bench_placement_small_pools() -> None:
     out = run_bench("scripts.bench_placement", "--sizes", "100,1000")
     assert out["place_s_1000"] < 5.0  # 0.4 s measured; the bound leaves room for a loaded machine
     assert out["gain_vs_random"] > 0 and out["gain_vs_greedy"] > 0
+
+
+def test_bench_attack_quick() -> None:
+    """2 colluders of 5 aimed at the honest mean (reversed, orthogonal) in a 1-round run, 1 seed:
+    both are left out by every replica, never an honest one; the figures are in docs/benchmarks.md."""
+    out = run_bench("scripts.bench_attack", "--quick")
+    (run,) = out["runs"]
+    assert (run["replicas"], run["hostile_replicas"]) == (5, [3, 4])
+    assert set(run["gap_summary"]) == {"reversed", "orthogonal"}
+    for kind in ("reversed", "orthogonal"):
+        assert run["bounded_and_left_out"][kind]["trimmed"][1] == 5 * 2  # replicas x colluders, 1 round
+        assert run["honest_left_out"][kind]["trimmed"] == 0
+        assert abs(run["gap_summary"][kind]["trimmed"]["mean"]) < 0.05
+    assert out["honest_never_left_out"] is True

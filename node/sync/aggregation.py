@@ -15,10 +15,10 @@ Bounded influence of one replica (`AggregationSettings.robust`, DESIGN section 1
 - `clamp_to_median_max_abs`:  per tensor t, B_t = min(max_abs_ratio * med_l max_i |Delta_l,t[i]|, float32
                        max); Delta_j,t <- clamp(Delta_j,t, -B_t, B_t)     (decoded values near float max)
 - `median_norm_clip`:  Delta_j <- Delta_j * min(1, max_norm_ratio * med_l ||Delta_l|| / ||Delta_j||)
-- `agreement_screen`:  z_-j = geometric median of the others left (Weiszfeld on their Gram matrix),
-                       cos_j = <Delta_j, z_-j> / (||Delta_j|| ||z_-j||); while some cos_j < min_agreement and
-                       fewer than half of those left agree with Delta_j (pairwise cosine), leave the lowest
-                       out and recompute; never half or more of the round
+- `agreement_screen`:  A_j = the cosine down to which a majority of the round agrees with Delta_j
+                       (pairwise), tau = max(min_agreement, 1/4 x the round's median A); while some
+                       A_j <= tau, leave out the one pointing most away from the others' geometric median
+                       z_-j (Weiszfeld on their Gram matrix) and recompute; never half or more of the round
 - `trimmed_mean`:      at each coordinate, of the n_i values sent there (all |A| for "mean"), drop the
                        b_i = min(ceil(trim * n_i), floor((n_i - 1) / 2)) smallest and largest and average
                        the rest (arXiv 1803.01498): with trim 0.25 the median of 3, the middle two of 4.
@@ -29,13 +29,15 @@ medians (the ((n-1)//2)-th smallest): with one hostile replica among 3 or 4 the 
 one's, among 2 the smaller one's. Magnitudes are bounded by scaling down, not by rejection: an honest
 replica that is merely unusual this round (fresh error feedback after a restart, an odd batch) keeps
 its direction, and a hostile one's influence is bounded either way (its norm by the clip, each value by
-the clamp). Direction is the one thing scaling cannot bound, so a contribution pointing away from the
-round's median is left out whole, and the trim bounds each coordinate sent by at least 3 replicas.
+the clamp). Direction is the one thing scaling cannot bound, so a contribution that a majority of the
+round does not agree with (pointing away from it, or orthogonal to it) is left out whole, and the trim
+bounds each coordinate sent by at least 3 replicas.
 
-The bound (DESIGN section 10): f hostile replicas of n >= 2f + 1, colluding or not. The geometric median
-then stays near the honest contributions (breakdown point 1/2), so a hostile direction is left out and an
-honest one never is. Beyond it (2 colluders of 4) the median may side with the colluders, but each honest
-replica keeps half the round's support, so nobody is left out and the clip and trim bound the influence.
+The bound (DESIGN section 10): f hostile replicas of n >= 2f + 1, colluding or not. Every honest
+contribution is then agreed with by its n - f > n/2 honest peers, so it is never left out, and a hostile
+one stays only if enough honest ones agree with it: one pointing away from them or orthogonal to them is
+left out, however its colluders agree with each other. Beyond it (2 colluders of 4) each honest replica
+keeps half the round's support, so nobody is left out and the clip and trim bound the influence.
 
 Every replica must compute the same Delta_bar bit for bit, so nothing here depends on arrival order:
 contributions are taken in ascending replica id; the plain averages sum them one after another in float32
@@ -62,6 +64,11 @@ Contributions = Mapping[int, Sequence[torch.Tensor]]
 F32_MAX = float(np.finfo(np.float32).max)
 WEISZFELD_STEPS = 64
 """Weiszfeld steps of the geometric median (fixed, so every host stops at the same bits)."""
+AGREEMENT_SHARE = 0.25
+"""The agreement screen's relative level: a contribution that a majority of the round agrees with only
+below this share of the round's own agreement (the lower median of every A_j) is left out. In the
+benches (docs/benchmarks.md) honest contributions agree within a factor 1.5 of each other, from 0.15 to
+0.3; orthogonal ones score 0."""
 _BLOCK = 1 << 20
 """Coordinates per block of the trimmed mean and the inner products (bounds their temporary memory to a
 few times R x 8 MiB whatever the tensor's size; fixed, so the float64 sums are the same on every host)."""
@@ -246,21 +253,48 @@ def geometric_median_weights(G: Mapping[tuple[int, int], float], ids: Sequence[i
     return w
 
 
+def majority_agreement(G: Mapping[tuple[int, int], float], ids: Sequence[int]) -> dict[int, float]:
+    """A_j: the cosine at which a majority of `ids` (j itself included) agrees with j, i.e. the
+    (ceil(n/2) - 1)-th largest cos(Delta_j, Delta_l) over l != j (1.0 for n <= 2: j alone is half). A
+    pairwise statistic, so a clique of f < n/2 colluders cannot raise its own: above f - 1 of its partners,
+    A_j is a cosine with an honest contribution."""
+    need = (len(ids) + 1) // 2 - 1  # partners beyond j itself that make a majority
+
+    def cos(j: int, q: int) -> float:
+        den = math.sqrt(max(G[j, j], 0.0) * max(G[q, q], 0.0))
+        return G[j, q] / den if den > 0 else 0.0
+
+    out = {}
+    for j in ids:
+        others = sorted((cos(j, q) for q in ids if q != j), reverse=True)
+        out[j] = others[need - 1] if need >= 1 else 1.0
+    return out
+
+
 def agreement_screen(
     contribs: Contributions, min_agreement: float = 0.0
 ) -> tuple[dict[int, list[torch.Tensor]], list[Rejection], dict[int, float]]:
-    """Leave out contributions pointing away from the geometric median z_-j of the others left:
+    """Leave out contributions that a majority of the round does not agree with:
 
-        cos_j = <Delta_j, z_-j> / (||Delta_j|| ||z_-j||)                     (0 where a norm is 0)
-        support_j = #{l left : <Delta_j, Delta_l> >= min_agreement ||Delta_j|| ||Delta_l||}  (j itself too)
+        A_j   = majority_agreement(j)                 (a majority agrees with j down to this cosine)
+        rho   = lower median_j A_j                    (the round's own agreement level)
+        tau   = max(min_agreement, AGREEMENT_SHARE * rho)
+        cos_j = <Delta_j, z_-j> / (||Delta_j|| ||z_-j||),  z_-j the geometric median of the others left
 
-    While some contribution has cos_j < min_agreement and is agreed with by fewer than half of those left
-    (2 support_j < |left|), the lowest-scored one (then the lowest id) is left out and z recomputed; at
-    most floor((n - 1) / 2) of n are ever left out. With f hostile of n >= 2f + 1, z_-j stays near the honest
-    ones, so a hostile direction is left out and an honest one is not; beyond that bound (2 colluders of
-    4) z_-j may side with the colluders, but then each honest replica still has half the round's support and
-    nobody is left out: the clip and the trimmed mean bound the colluders' influence instead. Computed
-    from the Gram matrix (float64, each pair once, `geometric_median_weights`).
+    While some j has A_j <= tau (fewer than half of those left agree with it above tau) and either the
+    round agrees (rho > min_agreement) or cos_j < min_agreement, the one with the lowest cos_j (then the
+    lowest id) is left out and everything recomputed over the rest; at most floor((n - 1) / 2) of n are
+    ever left out; min_agreement = -1 leaves nothing out. With f hostile of n >= 2f + 1 and every honest
+    pair agreeing above tau, an honest contribution has A_j above tau (its n - f > n/2 honest peers) and
+    is never left out, and rho lies between two honest A's, so tau stays below every honest A while
+    those are within 1 / AGREEMENT_SHARE of each other. A hostile contribution stays only if at least
+    ceil(n/2) - f honest ones agree with it above tau: one pointing away from them (a sign flip, the honest
+    mean reversed) or orthogonal to them is left out, however tightly its colluders agree with each other
+    (which moves z_-j, not A_j). Where the round has no agreement to go by (rho <= min_agreement: noise),
+    only what also points away from the others' median is left out. Beyond the bound (2 colluders of 4)
+    each honest replica still has half the round's support and nobody is left out: the clip and the
+    trimmed mean bound the colluders' influence instead. Computed from the Gram matrix (float64, each pair
+    once, `geometric_median_weights`).
 
     Returns (kept, rejections, cos_j of each contribution in the last round it was scored).
     """
@@ -277,23 +311,23 @@ def agreement_screen(
             zz = max(sum(w[a] * G[a, q] * w[q] for a in others for q in others), 0.0)
             den = math.sqrt(max(G[j, j], 0.0) * zz)
             cos[j] = sum(G[j, q] * w[q] for q in others) / den if den > 0 else 0.0
-
-        def agrees(j: int, q: int) -> bool:
-            return j == q or G[j, q] >= min_agreement * math.sqrt(max(G[j, j], 0.0) * max(G[q, q], 0.0))
-
-        support = {j: sum(agrees(j, q) for q in left) for j in left}
-        out = [j for j in left if cos[j] < min_agreement and 2 * support[j] < len(left)]
-        if not out or len(rejected) >= cap:
+        A = majority_agreement(G, left)
+        rho = _lower_median(list(A.values()))
+        tau = max(min_agreement, AGREEMENT_SHARE * rho)
+        out = [j for j in left if A[j] <= tau and (rho > min_agreement or cos[j] < min_agreement)]
+        if not out or len(rejected) >= cap or min_agreement <= -1:
             break
         j = min(out, key=lambda q: (cos[q], q))
-        left.remove(j)
         rejected.append(
             Rejection(
                 j,
-                f"direction disagrees with the others' median: cosine {cos[j]:.3g} < min_agreement "
-                f"{min_agreement:g}, and {support[j]} of the {len(left) + 1} left agree with it",
+                f"direction disagrees with the round: fewer than half of the {len(left)} left agree with it "
+                f"above cosine {tau:.3g} (a majority only down to {A[j]:.3g}; the bar is max(min_agreement "
+                f"{min_agreement:g}, {AGREEMENT_SHARE:g} x the round's {rho:.3g})); cosine {cos[j]:.3g} with "
+                "the others' median",
             )
         )
+        left.remove(j)
     kept = {j: list(ts) for j, ts in ordered if j in left}
     return kept, sorted(rejected, key=lambda r: r.replica), cos
 
@@ -421,6 +455,7 @@ __all__ = [
     "clamp_bound",
     "clamp_to_median_max_abs",
     "geometric_median_weights",
+    "majority_agreement",
     "mean_over_arrivals",
     "median_norm_clip",
     "norm",

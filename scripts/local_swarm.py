@@ -271,7 +271,7 @@ class Swarm:
         """Start the store, the bootstrap peer, the coordinator, then the nodes; `before_nodes` runs once
         the others are ready and before any node starts (crucible-swarm calibrates there: a node times
         its matmul and reference block as it starts, and must not share the cores with the probes)."""
-        store = self._spawn("store", ["-m", "scripts.embedded_store"])
+        store = self._spawn("store", ["-m", "scripts.embedded_store", "--front"])
         self.store_url = store.wait_for(r"STORE (\S+)", ready_timeout_s).group(1)
         self._start_swarm(ready_timeout_s, before_nodes)
 

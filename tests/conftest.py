@@ -11,10 +11,11 @@ os.environ.setdefault("OMP_NUM_THREADS", "1")
 
 @pytest.fixture(scope="session")
 def moto_store() -> Iterator[str]:
-    """A real S3-protocol server (moto) on loopback for the whole session; yields its endpoint URL."""
+    """A real S3-protocol server (moto) on loopback for the whole session, behind the store front that checks
+    signatures, presigned URLs' expiry and keys as R2 does (scripts/store_front.py); yields its URL."""
     from scripts.embedded_store import s3_server
 
-    with s3_server() as url:
+    with s3_server(front=True) as url:
         yield url
 
 

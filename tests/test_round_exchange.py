@@ -15,7 +15,7 @@ import torch
 
 from node.sync.dense_sync import DenseCodec
 from node.sync.exchange import Exchanged, FragmentId, SyncStats
-from node.sync.round_exchange import QUORUM_WAIT, RoundExchange
+from node.sync.round_exchange import RoundExchange
 from protocol import keys
 from protocol.identity import Identity
 from protocol.net.store import ObjectStore, StoreConfig
@@ -89,15 +89,36 @@ def test_a_replica_that_never_comes_is_missing_and_a_late_one_applies_the_same_s
     assert exs[2].stats.not_uploaded == 1
 
 
-def test_below_quorum_a_round_waits_then_applies_nothing(store: ObjectStore) -> None:
-    """One replica of three alone (q = 2) waits QUORUM_WAIT x timeout_s and applies nothing; its own
-    fragment goes back to it. Applying it alone would let one node decide what its replica applies."""
+def test_below_quorum_a_round_waits_for_the_slots_to_shrink_or_the_worker_to_stop(store: ObjectStore) -> None:
+    """One replica of three alone (q = 2) does not apply its fragment alone, nor give up: a replica that
+    applied nothing would differ from one reaching the round once its quorum is in (issue 21's attack E).
+    When the coordinator drops the other two (the live slots shrink, q = 1) the round settles with it;
+    a stopping worker ends the wait, applying nothing and keeping its fragment."""
     run = f"rx-{uuid.uuid4().hex[:8]}"
     ex = exchange(store, 0, 3, timeout_s=0.5)
+    dropped = threading.Timer(2.0, ex.set_stage_peers, ({0: IDS[0].peer_id},))
+    dropped.start()
     t0 = time.monotonic()
     got = put(ex, FragmentId(run, 0, 0, 0, 0))
+    assert values(got) == {0: 1.0} and got.unsent is None
+    assert time.monotonic() - t0 >= 2.0
+    stop = threading.Event()
+    waiting = RoundExchange(
+        store,
+        DenseCodec(IDS[0]),
+        replica=0,
+        stage_peers={q: IDS[q].peer_id for q in range(3)},
+        former_stage_peers=None,
+        timeout_s=0.5,
+        poll_s=0.01,
+        poll_max_s=0.1,
+        stats=SyncStats(),
+        lock=threading.Lock(),
+        cancelled=stop.is_set,
+    )
+    threading.Timer(1.0, stop.set).start()
+    got = put(waiting, FragmentId(run, 0, 0, 1, 0))
     assert got.contribs == {} and got.unsent is not None
-    assert QUORUM_WAIT * 0.5 <= time.monotonic() - t0 < QUORUM_WAIT * 0.5 + 5
 
 
 def test_a_squatted_primary_key_takes_no_slot(store: ObjectStore) -> None:

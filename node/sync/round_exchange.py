@@ -46,10 +46,12 @@ TOO_LARGE = "too large"
 """What `_Gathered.seen` notes for a key whose object was refused by its size, or that the store would not
 serve (no digest was taken)."""
 QUORUM_WAIT = 10
-"""A round below quorum waits QUORUM_WAIT x timeout_s (for the missing replicas, or for the coordinator to
-drop the lost ones so the live slots shrink, which takes far less), lists it once more, then applies
-nothing. The one case replicas can then differ in: a quorum that forms later still, which a replica
-reaching the round after that applies (a majority of the stage that late is a stalled run anyway)."""
+"""A round below quorum waits, for the missing replicas or for the coordinator to rebuild or drop the lost
+ones (the live slots then shrink and so does q), however long that takes: a replica that gave up and
+applied nothing would differ from one that reaches the round once its quorum is in (a rebuilt replica
+replaying it). Every QUORUM_WAIT x timeout_s of waiting it says so in the log. A stopping worker ends the
+wait and applies nothing, as does a replica the store has not answered for that long (cut off from it,
+nothing it applies is the consensus anyway)."""
 
 
 @dataclass
@@ -283,11 +285,12 @@ class RoundExchange:
         ours = (own, keys.content_digest(data))
         g = _Gathered()
         started = time.monotonic()
-        give_up = started + QUORUM_WAIT * self.timeout_s
+        said_at = started
         expected = self.reader.slots()  # a replica that drops out while we wait still missed this round
         backoff = _Backoff(self.poll_s, self.poll_max_s)
         settled: tuple[Decision, dict[int, str]] | None = None
         listed_at = -math.inf
+        answered_at = started  # the store's last answer to a LIST of the round
         while not self.cancelled():
             live = self.reader.slots()
             if me not in g.found:
@@ -299,9 +302,10 @@ class RoundExchange:
             )
             below = self._settles_at(live, g) is None  # a hash-named fragment is found only by a LIST
             now = time.monotonic()
-            relist = below and (now - listed_at >= max(5.0, self.timeout_s) or now > give_up)
+            relist = below and now - listed_at >= max(5.0, self.timeout_s)
             listed = self.reader.listing(fid) if squatted or relist else None
             listed_at = now if squatted or relist else listed_at  # asked (a store that does not answer too)
+            answered_at = now if listed is not None else answered_at
             if self._poll(fid, live, listed[0] if listed else None, shapes, g, ours):
                 backoff.reset()
             want = self._settles_at(live, g)
@@ -311,8 +315,22 @@ class RoundExchange:
                     break
                 if settled is not None and settled[0].settles_at_s is not None:
                     want = max(want, settled[0].settles_at_s + 0.05)
-            if want is None and listed_at > give_up:  # below quorum all along, and listed once more after it
-                break
+            if want is None and now - answered_at > QUORUM_WAIT * max(self.timeout_s, 1.0):
+                break  # cut off from the store: nothing this replica applies is the consensus anyway
+            if want is None and now - said_at >= QUORUM_WAIT * max(self.timeout_s, 1.0):
+                said_at = now
+                log.warning(
+                    "run %s stage %d round %d fragment %d: waiting %.0f s for a quorum (%d of %d live replicas "
+                    "have a fragment in, %d needed); the coordinator rebuilds or drops a lost replica",
+                    fid.run_id,
+                    fid.stage,
+                    fid.round,
+                    fid.fragment,
+                    now - started,
+                    len(set(g.found) & live),
+                    len(live),
+                    self.quorum_of(live),
+                )
             grace_s = max(self.timeout_s, 10.0)
             if want is not None and self.store.store_now() - want > grace_s:
                 raise RoundAgreementError(  # a quorum is in: only an unreadable store keeps it unsettled
@@ -320,7 +338,7 @@ class RoundExchange:
                     f"this replica could not list the round or read a fragment it lists within {grace_s:.0f} s "
                     "of the round settling; it cannot apply the agreed set (check the store's health)"
                 )
-            wake = give_up if want is None else time.monotonic() + max(0.0, want - self.store.store_now())
+            wake = math.inf if want is None else time.monotonic() + max(0.0, want - self.store.store_now())
             backoff.wait(wake if wake > time.monotonic() else math.inf)  # past it: the next LIST after a poll
         if settled is not None and not settled[0].final:
             settled = None  # below quorum to the end, or the worker stopped while we waited
@@ -347,10 +365,9 @@ class RoundExchange:
                 fid.stage,
                 fid.round,
                 fid.fragment,
-                "the worker stopped while it waited"
+                "the worker stopped while it waited for a quorum"
                 if self.cancelled()
-                else f"fewer than a quorum ({self.quorum_of(live)} of {len(live)} live replicas) had a valid "
-                f"fragment within {QUORUM_WAIT * self.timeout_s:.0f} s",
+                else f"the store did not answer a LIST for {QUORUM_WAIT * max(self.timeout_s, 1.0):.0f} s",
             )
         if contribs.get(me) is not ours[0]:
             with self._lock:

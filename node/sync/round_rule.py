@@ -20,7 +20,8 @@ Why this rule (rather than a record signed by one writer, or a quorum of signed 
   moves it at most to the q-th honest one. Every honest fragment that lands within W of the first honest
   one is in S; S always holds at least q - f honest fragments.
 - Liveness needs no one in particular: no coordinator, no record writer; a round below quorum waits (the
-  coordinator drops a lost replica, the slots shrink) and after a bound applies nothing.
+  coordinator rebuilds or drops a lost replica, the slots shrink); giving up would split it from a
+  replica that reaches the round once its quorum is in.
 
 What it assumes: a PUT completes within M of the LastModified the store gives it (true of a small
 fragment; an upload trickled over longer could be listed by some replicas and not others), and replicas

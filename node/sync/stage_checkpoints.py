@@ -187,7 +187,7 @@ class StageCheckpoints:
             if r not in found:
                 continue
             try:
-                agreed = _vouched(a.stage, r, rnd, found, sorted(self.slots))
+                agreed = _vouched(a.stage, r, rnd, found, sorted(self.slots), a.replica)
                 for s in range(a.stage + 1, a.spec.stages) if later != {} else ():
                     signers = None if later is None else later.get(s, {})
                     if s not in stages:
@@ -198,7 +198,14 @@ class StageCheckpoints:
                             f"stage {s} of replica {r} has no valid checkpoint of round {rnd}: a replica "
                             "resumes all its stages at one round; trying an earlier one",
                         )
-                    _vouched(s, r, rnd, stages[s], sorted(signers if signers is not None else self.slots))
+                    _vouched(
+                        s,
+                        r,
+                        rnd,
+                        stages[s],
+                        sorted(signers if signers is not None else self.slots),
+                        a.replica,
+                    )
             except CheckpointRefused as e:
                 self._refuse(rnd, e)
                 continue
@@ -331,18 +338,23 @@ class StageCheckpoints:
 
 
 def _vouched(
-    stage: int, replica: int, rnd: int, found: dict[int, SignedManifest], slots: list[int]
+    stage: int, replica: int, rnd: int, found: dict[int, SignedManifest], slots: list[int], me: int
 ) -> set[str | None] | None:
     """Rule 3 on a stage's manifests of `rnd` (`found`, by replica): the anchor digests that the other
     replicas' manifests sign (None for one written before digests were), counting only those signed by
     another node than `replica`'s (a node serving two slots is no second witness of its own checkpoint);
-    None when the stage has no other replica (`slots`). Raises CheckpointRefused when none vouches, or none
-    for the anchor `replica`'s claims."""
+    None when the stage has no other replica (`slots`), or when its one other replica is the reader's (`me`)
+    and that has no checkpoint of `rnd`: the reader's replica was away (dropped, now rebuilt) while the one
+    survivor went on, and the rounds it settled alone are the consensus the reader must join (resuming
+    before them, it would replay them with both replicas in view). Raises CheckpointRefused when none
+    vouches, or none for the anchor `replica`'s claims."""
     own = found[replica]
     others = [r for r in slots if r != replica]
     if not others:
         return None
     agreed = {m.anchor_sha256 for r, m in found.items() if r != replica and m.signer != own.signer}
+    if not agreed and others == [me] and me not in found:
+        return None
     if not agreed:
         raise CheckpointRefused(
             own.key,

@@ -114,8 +114,12 @@ class RunWatch:
                         peer[-8:],
                     )
                 run.missing_since[peer] = -1.0
+        dropped = {r for (r, s), p in pl.slots.items() if run.missing_since.get(p) == -1.0}
+        for (r, _s), p in pl.slots.items():  # a dropped replica's other nodes are out with it (one that
+            if r in dropped:  # failed at the old epoch would never be counted again, and the run never done)
+                run.missing_since[p] = -1.0
         lost = {p for p, t in run.missing_since.items() if t == -1.0}
-        self._drop_out(run, adverts, {r for (r, s), p in pl.slots.items() if p in lost})
+        self._drop_out(run, adverts, dropped)
         self.publisher.set_reason(run, dropped_summary(run))
         if done and done + len(lost & set(pl.slots.values())) >= len(pl.slots):
             self.publisher.set_state(run, "done", reason=dropped_summary(run))

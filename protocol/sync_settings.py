@@ -160,9 +160,10 @@ class AggregationSettings:
     """robust != "none": clamp each decoded value of a tensor to +-(this multiple of the round's lower
     median, over contributions, of that tensor's largest |value|); in [1, 1e6]."""
     min_agreement: float = 0.0
-    """robust = "trimmed": leave out a contribution whose cosine with the others' geometric median is
-    below this and that fewer than half of the round agree with (pairwise cosine below this), lowest
-    first, then recomputed over the rest, never half or more of the round; in [-1, 1] (-1 = never)."""
+    """robust = "trimmed": leave out a contribution that fewer than half of the round agree with above
+    max(this, 1/4 of the round's own agreement) (pairwise cosine; where the round has no agreement above
+    this, only one also pointing away from the others' geometric median), then recomputed over the rest,
+    never half or more of the round; in [-1, 1] (-1 = never)."""
     trim: float = 0.25
     """robust = "trimmed": fraction of the values sent at a coordinate dropped at each end (at least one
     where >= 3 replicas sent it, never so many that none is left); in [0, 0.5)."""

@@ -273,7 +273,7 @@ def test_two_identical_reversed_colluders_of_four_drop_no_honest_replica() -> No
     assert norm(got.tensors) < norm(ref)
 
 
-def test_one_orthogonal_contribution_of_three_is_left_out() -> None:
+def test_one_orthogonal_contribution_of_three_is_bounded() -> None:
     """A dense contribution orthogonal to both honest ones, 100x their norm: the old screen passed it
     (cosine 0 is not below min_agreement 0) and only the clip bounded it (it moved the aggregate by 0.87 of
     the honest aggregate's norm; an honest third replica moves it by 0.55). Now nobody agrees with it

@@ -25,7 +25,6 @@ from dataclasses import dataclass, field
 from typing import Any
 from xml.sax.saxutils import escape
 
-import boto3.session
 import botocore.config
 import botocore.exceptions
 import urllib3
@@ -37,8 +36,8 @@ from protocol.net.store import (
     ObjectStore,
     ObjectTooLarge,
     StoreError,
-    _credentials,
     check_part_bytes,
+    s3_client,
 )
 from protocol.net.store_config import StoreConfig
 
@@ -173,22 +172,8 @@ class Grantor:
 
     def __init__(self, cfg: StoreConfig, *, timeout_s: float = 30.0) -> None:
         self.cfg = cfg
-        session = boto3.session.Session()
-        access, secret, _ = _credentials(cfg, session)  # the same credential the coordinator's store uses
         # SigV4 ("s3v4"): botocore presigns with SigV2 by default, which R2 refuses and which signs no headers
-        self.client = session.client(
-            "s3",
-            endpoint_url=cfg.endpoint_url,
-            aws_access_key_id=access,
-            aws_secret_access_key=secret,
-            region_name=cfg.region if cfg.region != "auto" else "us-east-1",
-            config=botocore.config.Config(
-                signature_version="s3v4",
-                connect_timeout=timeout_s,
-                read_timeout=timeout_s,
-                retries={"mode": "standard", "max_attempts": 3},
-            ),
-        )
+        self.client, _ = s3_client(cfg, timeout_s, signature_version="s3v4")  # the coordinator's credential
 
     def _presign(self, op: str, expires_s: int, **params: Any) -> str:
         try:

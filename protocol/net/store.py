@@ -116,6 +116,28 @@ def _credentials(cfg: StoreConfig, session: boto3.session.Session) -> tuple[str 
     )
 
 
+def s3_client(cfg: StoreConfig, timeout_s: float, **config: Any) -> tuple[Any, str]:
+    """(a boto3 S3 client of `cfg`, where its credentials came from): the one place a client is built.
+    `config`: more botocore Config settings (a presigner's signature_version)."""
+    session = boto3.session.Session()
+    access, secret, source = _credentials(cfg, session)
+    client = session.client(
+        "s3",
+        endpoint_url=cfg.endpoint_url,
+        aws_access_key_id=access,
+        aws_secret_access_key=secret,
+        region_name=cfg.region if cfg.region != "auto" else "us-east-1",
+        # "standard" retries: 429/503 SlowDown, throttling and resets, with exponential backoff and jitter
+        config=botocore.config.Config(
+            connect_timeout=timeout_s,
+            read_timeout=timeout_s,
+            retries={"mode": "standard", "max_attempts": 3},
+            **config,
+        ),
+    )
+    return client, source
+
+
 class StoreOps:
     """Counts and times S3 API calls by operation (GetObject, PutObject, ListObjectsV2, ...) and outcome
     ("ok", "not_found", "precondition_failed", "error"), from botocore's before-call / after-call events:
@@ -166,21 +188,7 @@ class ObjectStore:
     def __init__(self, cfg: StoreConfig, *, timeout_s: float = 30.0) -> None:
         self.cfg = cfg
         self.bucket = cfg.bucket
-        session = boto3.session.Session()
-        access, secret, self.credential_source = _credentials(cfg, session)
-        self.client = session.client(
-            "s3",
-            endpoint_url=cfg.endpoint_url,
-            aws_access_key_id=access,
-            aws_secret_access_key=secret,
-            region_name=cfg.region if cfg.region != "auto" else "us-east-1",
-            # "standard" retries: 429/503 SlowDown, throttling and resets, with exponential backoff and jitter
-            config=botocore.config.Config(
-                connect_timeout=timeout_s,
-                read_timeout=timeout_s,
-                retries={"mode": "standard", "max_attempts": 3},
-            ),
-        )
+        self.client, self.credential_source = s3_client(cfg, timeout_s)
         self._lock = threading.Lock()
         self.bytes_up = 0
         self.bytes_down = 0

@@ -33,6 +33,8 @@ _FRAGMENT_OUTCOMES = {
     "fragments_rejected": "rejected",
     "fragments_missing": "missing",
     "fragments_not_uploaded": "not_uploaded",
+    "fragments_late_committed": "late_committed",
+    "fragments_late_expired": "late_expired",
 }
 
 

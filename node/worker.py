@@ -82,6 +82,8 @@ class WorkerMetrics:
     fragments_rejected: int = 0
     fragments_missing: int = 0
     fragments_not_uploaded: int = 0
+    fragments_late_committed: int = 0
+    fragments_late_expired: int = 0
     weights_sha256: str = ""
     anchor_round: int = -1
     """The last round whose consensus anchor this stage checkpointed, and its sha256 (every replica's
@@ -362,6 +364,7 @@ class StageWorker:
             momentum=parts.momentum,
             timeout_s=spec.sync.timeout_s,
             quorum=spec.sync.quorum,
+            max_late_rounds=spec.sync.max_late_rounds,
             cancelled=self._cancelled,  # a stop or reassignment ends a wait for a quorum
             local=local,
             checkpoints=self.checkpoints,
@@ -470,6 +473,7 @@ class StageWorker:
         m.sync_wait_s = sync.stats.wait_s
         m.fragments_rejected, m.fragments_missing = sync.stats.rejected, sync.stats.missing
         m.fragments_not_uploaded = sync.stats.not_uploaded
+        m.fragments_late_committed, m.fragments_late_expired = sync.stats.late_committed, sync.stats.late_expired
 
     def _report(self) -> None:
         import json

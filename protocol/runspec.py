@@ -22,6 +22,8 @@ MAX_SEED = 2**63 - 1
 """Seeds are fed to torch and numpy generators, which take 64-bit values."""
 MAX_STEPS = 2**40
 """More inner steps than any run will take (a trillion), far below where counters overflow."""
+MAX_LATE_ROUNDS = 8
+"""The most rounds late a fragment may be committed: each round keeps that many earlier rounds' cutoffs."""
 
 
 def check_run_id(where: str, run_id: str) -> None:
@@ -196,10 +198,16 @@ class OuterLoopSettings:
     """q: how many replicas' fragments a round needs before its deadline runs (0: a majority of the
     stage's live replicas). Below it a round waits, then applies nothing: fewer replicas cannot outvote
     one hostile node."""
+    max_late_rounds: int = 1
+    """k: a fragment that misses its round's set is committed in one of the next k rounds' sets if it is
+    in the store by that round's cutoff (node/sync/round_rule.py `late_entries`), by every replica alike;
+    later than that, or with k = 0, it goes back to its sender's error feedback. Its sender restores it
+    only once the window has closed, so it is never applied twice nor lost."""
 
     def __post_init__(self) -> None:
         check_finite(self)
         check_range("sync.H", self.H, 1, MAX_STEPS)
+        check_range("sync.max_late_rounds", self.max_late_rounds, 0, MAX_LATE_ROUNDS)
         check_range("sync.timeout_s", self.timeout_s, 0, 1e6)
         check_range("sync.quorum", self.quorum, 0, MAX_STEPS)
         if self.method not in ("diloco", "sparseloco"):

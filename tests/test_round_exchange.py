@@ -33,7 +33,9 @@ def store(moto_store: str) -> ObjectStore:
     return s
 
 
-def exchange(store: ObjectStore, r: int, replicas: int, timeout_s: float = 10.0) -> RoundExchange:
+def exchange(
+    store: ObjectStore, r: int, replicas: int, timeout_s: float = 10.0, max_late_rounds: int = 1
+) -> RoundExchange:
     return RoundExchange(
         store,
         DenseCodec(IDS[r]),
@@ -45,12 +47,14 @@ def exchange(store: ObjectStore, r: int, replicas: int, timeout_s: float = 10.0)
         poll_max_s=0.1,
         stats=SyncStats(),
         lock=threading.Lock(),
+        max_late_rounds=max_late_rounds,
     )
 
 
 def put(ex: RoundExchange, fid: FragmentId) -> Exchanged:
-    """Replica fid.replica's contribution: the value r + 1 everywhere, so the set shows who is in it."""
-    delta = [torch.full((4,), float(fid.replica + 1))]
+    """Replica fid.replica's contribution: the value r + 1 + 10 x round everywhere, so the set shows who is
+    in it, from which round."""
+    delta = [torch.full((4,), float(fid.replica + 1 + 10 * fid.round))]
     return ex.run(fid, ex.codec.encode(fid, delta), SHAPES)
 
 
@@ -64,7 +68,7 @@ def test_replicas_settle_one_set_from_the_store_and_write_no_record(store: Objec
     with ThreadPoolExecutor(3) as pool:
         got = list(pool.map(lambda r: put(exs[r], FragmentId(run, 0, 0, 0, r)), range(3)))
     assert all(values(g) == {0: 1.0, 1: 2.0, 2: 3.0} for g in got)
-    assert all(g.unsent is None for g in got)  # every replica's own fragment is in the set
+    assert all(g.unsent == [] for g in got)  # every replica's own fragment is in the set
     assert sorted(store.list(keys.sync_prefix(run, 0, 0, 0))) == sorted(
         keys.primary_fragment_key(run, 0, 0, 0, r, IDS[r].peer_id) for r in range(3)
     )  # the fragments and nothing else: the set is what the store says, not what a replica wrote
@@ -76,17 +80,58 @@ def test_a_replica_that_never_comes_is_missing_and_a_late_one_applies_the_same_s
 ) -> None:
     """Replicas 0 and 1 (a quorum of 3) settle without 2 once the store's clock passes their arrival + W
     (1 s) + the margin; replica 2, later, reads the same final LIST: it applies their set, and its own
-    fragment, in the store after the deadline, goes back to it as unsent."""
+    fragment, in the store after the deadline, waits for the late window (issue 22): with
+    sync.max_late_rounds = 0 it goes back to it as unsent at once."""
+    for k in (1, 0):
+        run = f"rx-{uuid.uuid4().hex[:8]}"
+        exs = [exchange(store, r, 3, timeout_s=1.0, max_late_rounds=k) for r in range(3)]
+        with ThreadPoolExecutor(2) as pool:
+            early = list(pool.map(lambda r: put(exs[r], FragmentId(run, 0, 0, 0, r)), range(2)))
+        assert all(values(g) == {0: 1.0, 1: 2.0} for g in early)
+        assert all(exs[r].stats.missing == 1 for r in range(2))
+        late = put(exs[2], FragmentId(run, 0, 0, 0, 2))
+        assert values(late) == {0: 1.0, 1: 2.0}
+        assert exs[2].stats.not_uploaded == 1
+        if k == 0:
+            assert len(late.unsent) == 1 and float(late.unsent[0][0][0]) == 3.0
+        else:
+            assert late.unsent == [] and exs[2].late.waiting.keys() == {(0, 0)}
+
+
+def test_a_late_fragment_is_committed_in_the_next_round_by_every_replica(store: ObjectStore) -> None:
+    """Issue 22: replica 2's round-0 fragment lands after round 0's deadline; round 1's set, on every
+    replica, holds it summed with replica 2's round-1 fragment (3 + 13), and nothing goes back to replica
+    2's error feedback: it was used, once."""
     run = f"rx-{uuid.uuid4().hex[:8]}"
     exs = [exchange(store, r, 3, timeout_s=1.0) for r in range(3)]
     with ThreadPoolExecutor(2) as pool:
-        early = list(pool.map(lambda r: put(exs[r], FragmentId(run, 0, 0, 0, r)), range(2)))
-    assert all(values(g) == {0: 1.0, 1: 2.0} for g in early)
-    assert all(exs[r].stats.missing == 1 for r in range(2))
-    late = put(exs[2], FragmentId(run, 0, 0, 0, 2))
-    assert values(late) == {0: 1.0, 1: 2.0}
-    assert late.unsent is not None and float(late.unsent[0][0]) == 3.0
-    assert exs[2].stats.not_uploaded == 1
+        list(pool.map(lambda r: put(exs[r], FragmentId(run, 0, 0, 0, r)), range(2)))
+    assert put(exs[2], FragmentId(run, 0, 0, 0, 2)).unsent == []
+    with ThreadPoolExecutor(3) as pool:
+        got = list(pool.map(lambda r: put(exs[r], FragmentId(run, 0, 0, 1, r)), range(3)))
+    assert all(values(g) == {0: 11.0, 1: 12.0, 2: 16.0} for g in got)
+    assert all(g.late == {2: [0]} and g.unsent == [] for g in got)
+    assert all(ex.stats.late_committed == 1 and ex.stats.late_expired == 0 for ex in exs)
+    assert exs[2].late.waiting == {}
+
+
+def test_a_fragment_later_than_the_window_goes_back_to_its_sender(store: ObjectStore) -> None:
+    """Replicas 0 and 1 settle rounds 0 and 1 without replica 2; its round-0 fragment lands after round 1's
+    cutoff, beyond sync.max_late_rounds = 1: no round commits it, every replica applies the same sets, and
+    replica 2 gets it back (restore) with round 1, counted as expired; its round-1 fragment now waits."""
+    run = f"rx-{uuid.uuid4().hex[:8]}"
+    exs = [exchange(store, r, 3, timeout_s=1.0) for r in range(3)]
+    with ThreadPoolExecutor(2) as pool:
+        early = [
+            list(pool.map(lambda r: put(exs[r], FragmentId(run, 0, 0, rnd, r)), range(2))) for rnd in (0, 1)
+        ]
+    assert [values(g[0]) for g in early] == [{0: 1.0, 1: 2.0}, {0: 11.0, 1: 12.0}]
+    assert put(exs[2], FragmentId(run, 0, 0, 0, 2)).unsent == []
+    got = put(exs[2], FragmentId(run, 0, 0, 1, 2))
+    assert values(got) == {0: 11.0, 1: 12.0} and got.late == {}
+    assert [float(u[0][0]) for u in got.unsent] == [3.0]  # round 0's, its window closed
+    assert exs[2].stats.late_expired == 1 and exs[2].late.waiting.keys() == {(0, 1)}
+    assert all(ex.stats.late_committed == 0 for ex in exs)
 
 
 def test_below_quorum_a_round_waits_for_the_slots_to_shrink_or_the_worker_to_stop(store: ObjectStore) -> None:
@@ -100,7 +145,7 @@ def test_below_quorum_a_round_waits_for_the_slots_to_shrink_or_the_worker_to_sto
     dropped.start()
     t0 = time.monotonic()
     got = put(ex, FragmentId(run, 0, 0, 0, 0))
-    assert values(got) == {0: 1.0} and got.unsent is None
+    assert values(got) == {0: 1.0} and got.unsent == []
     assert time.monotonic() - t0 >= 2.0
     stop = threading.Event()
     waiting = RoundExchange(
@@ -118,7 +163,7 @@ def test_below_quorum_a_round_waits_for_the_slots_to_shrink_or_the_worker_to_sto
     )
     threading.Timer(1.0, stop.set).start()
     got = put(waiting, FragmentId(run, 0, 0, 1, 0))
-    assert got.contribs == {} and got.unsent is not None
+    assert got.contribs == {} and len(got.unsent) == 1
 
 
 def test_a_squatted_primary_key_takes_no_slot(store: ObjectStore) -> None:
@@ -134,7 +179,7 @@ def test_a_squatted_primary_key_takes_no_slot(store: ObjectStore) -> None:
     assert store.get(squatted) == b"not a fragment"  # write-once: the squatter's bytes stay, unused
     assert len(store.list(keys.slot_prefix(run, 0, 0, 0, 1))) == 2
     assert exs[0].stats.rejected >= 1
-    assert got[1].unsent is None  # replica 1's own fragment, at its hash-named key, is the one used
+    assert got[1].unsent == []  # replica 1's own fragment, at its hash-named key, is the one used
     assert exs[1].reader.signers(1) == {IDS[1].peer_id}
 
 

@@ -76,6 +76,8 @@ def make_replicas(
     expected: int | None = None,
     device_paths: list[bool] | None = None,
     stores: list[ObjectStore] | None = None,
+    timeout_s: float = 15.0,
+    codecs: list[SparseLoCoCodec] | None = None,
 ) -> tuple[str, list[OuterSync]]:
     """R replicas of the same initial parameters; `expected` (>= R) replicas are listed as stage peers."""
     run_id = f"run-{uuid.uuid4().hex[:8]}"
@@ -84,7 +86,9 @@ def make_replicas(
         OuterSync(
             make_params(shapes),
             store=stores[r] if stores else store,
-            codec=SparseLoCoCodec(IDS[r], CFG, device_path=device_paths[r] if device_paths else None),
+            codec=codecs[r]
+            if codecs
+            else SparseLoCoCodec(IDS[r], CFG, device_path=device_paths[r] if device_paths else None),
             aggregate=make_aggregator(AGG),
             run_id=run_id,
             stage=0,
@@ -92,7 +96,7 @@ def make_replicas(
             stage_peers=peers,
             schedule=Schedule(H=H, P=P, tau=tau),
             alpha=alpha,
-            timeout_s=15.0,
+            timeout_s=timeout_s,
             poll_s=0.01,
         )
         for r in range(R)

@@ -94,6 +94,10 @@ class SyncStats:
     """Expected fragments that had not arrived by the deadline."""
     not_uploaded: int = 0
     """Our fragments that did not land (store error, or the key already held other bytes)."""
+    late_committed: int = 0
+    """Fragments committed in a later round's set than their own (any slot's, ours included)."""
+    late_expired: int = 0
+    """Our fragments that no round's set took within `sync.max_late_rounds`: back to error feedback."""
     last_contributors: list[int] = field(default_factory=list)
 
 
@@ -102,9 +106,13 @@ class Exchanged:
     """What one round applies, the same on every replica."""
 
     contribs: dict[int, list[torch.Tensor]]
-    """Replica -> decoded contribution; for our slot, whatever every replica reads at our key."""
-    unsent: list[torch.Tensor] | None
-    """Our contribution when the round did not use it (handed back to the codec at apply time)."""
+    """Replica -> decoded contribution; for our slot, whatever every replica reads at our key. A replica's
+    late fragments of earlier rounds committed in this one are summed into its contribution."""
+    unsent: list[list[torch.Tensor]] = field(default_factory=list)
+    """Our contributions that no round will use (this one's, or an earlier round's whose late window
+    closed with this round): handed back to the codec at apply time."""
+    late: dict[int, list[int]] = field(default_factory=dict)
+    """Replica -> the earlier rounds whose fragments of it this round commits (in `contribs`)."""
 
 
 class Exchange(Protocol):
@@ -120,8 +128,8 @@ class Exchange(Protocol):
     - the rule that decides the agreed set: `RoundExchange`'s is node/sync/round_rule.py's (the fragments
       in the store by the quorum's arrival + W, on the store's clock); another rule decides
       `Exchanged.contribs` its own way, and replicas apply whatever it says;
-    - late entries and per-contribution token counts: they belong with the set in `Exchanged` (keyed by
-      replica, as `contribs` is), for the aggregator to weigh; nothing produces them yet;
+    - per-contribution token counts: they belong with the set in `Exchanged` (keyed by replica, as
+      `contribs` and `late` are), for the aggregator to weigh; nothing produces them yet;
     - fragments keyed by layer groups rather than stages: `FragmentId` is the only key an exchange names
       its objects by (store keys, signed headers); the outer loop builds it and reads back only `fragment`;
     - a pairwise exchange: another implementation of this interface, with the signers of the stage's

@@ -133,6 +133,7 @@ class OuterSync:
         confine: Confinement | None = None,
         quorum: int = 0,
         cancelled: Callable[[], bool] = lambda: False,
+        max_late_rounds: int = 1,
     ) -> None:
         """schedule: when each fragment is captured and applied (`SyncSpec.schedule()`). poll_s,
         poll_max_s: the first and the longest wait between two polls of the store for the
@@ -141,7 +142,8 @@ class OuterSync:
         benchmarks). confine: the parameters confined to a subspace, whose Delta_bar and codec residual
         are projected onto it (None: none are). quorum: how many replicas' fragments a round needs
         (node/sync/round_rule.py; 0: a majority of the stage's live replicas). cancelled: the worker is
-        stopping (a round still waiting for its quorum gives up)."""
+        stopping (a round still waiting for its quorum gives up). max_late_rounds: how many rounds late a
+        fragment may still be committed (node/sync/late_window.py; 0: never)."""
         if not 0 < poll_s <= poll_max_s:
             raise ValueError(f"need 0 < poll_s <= poll_max_s, got poll_s={poll_s} poll_max_s={poll_max_s}")
         self.params = params
@@ -172,6 +174,7 @@ class OuterSync:
             lock=self._lock,
             quorum=quorum,
             cancelled=cancelled,
+            max_late_rounds=max_late_rounds,
         )
 
     # --- schedule ---------------------------------------------------------------------------------
@@ -310,8 +313,8 @@ class OuterSync:
             self.stats.wait_s += time.perf_counter() - t
             self.stats.rounds_applied += 1
             self.stats.last_contributors = sorted(ex.contribs)
-        if ex.unsent is not None:
-            self.codec.restore(p.fid, ex.unsent)
+        for unsent in ex.unsent:  # ours that no round uses: back to the codec (error feedback)
+            self.codec.restore(p.fid, unsent)
         # nothing arrived, not even ours: the anchor stays and the replica restarts from it (+ drift)
         delta_bar = self.aggregate(ex.contribs) if ex.contribs else None
         idx = self.fragments[p.fid.fragment]

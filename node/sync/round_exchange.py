@@ -32,6 +32,8 @@ from dataclasses import dataclass, field
 import torch
 
 from node.sync.exchange import Encoding, Exchanged, FragmentCodec, FragmentId, RoundAgreementError, SyncStats
+from node.sync.late_window import Committed, LateWindow
+from node.sync.round_log import report_late, report_round
 from node.sync.round_reader import RoundReader
 from node.sync.round_rule import Decision, decide, majority
 from protocol import keys
@@ -88,7 +90,8 @@ class RoundExchange:
     the store all-to-all of node/sync/exchange.py's `Exchange`. Its `reader` knows who may sign each
     replica's slot and lists the round; bytes, rejections and misses are counted in the outer loop's
     `stats` (under `lock`). quorum: the q of node/sync/round_rule.py (0: a majority of the live slots).
-    cancelled: the worker is stopping: a round still waiting gives up and applies nothing."""
+    cancelled: the worker is stopping: a round still waiting gives up and applies nothing. max_late_rounds:
+    the k of node/sync/late_window.py (earlier rounds' late fragments a round commits)."""
 
     def __init__(
         self,
@@ -105,8 +108,13 @@ class RoundExchange:
         lock: threading.Lock,
         quorum: int = 0,
         cancelled: Callable[[], bool] = lambda: False,
+        max_late_rounds: int = 1,
     ) -> None:
         self.store, self.codec, self.replica = store, codec, replica
+        self.late = LateWindow(max_late_rounds, replica)
+        self._kept: dict[tuple[int, int], _Gathered] = {}
+        """(fragment, round) -> what a recent round's reads found, but its set's fragments (their keys are
+        never read again): the late window reads those rounds without GETting or rejecting a key twice."""
         self.reader = RoundReader(
             store,
             replica=replica,
@@ -117,7 +125,7 @@ class RoundExchange:
         )
         self.timeout_s, self.poll_s, self.poll_max_s = timeout_s, poll_s, poll_max_s
         self.quorum, self.cancelled = quorum, cancelled
-        self.stats, self._lock = stats, lock
+        self.stats, self.lock = stats, lock
 
     def put_once(self, key: str, data: bytes) -> tuple[bool | None, bytes | None]:
         """Write-once PUT of our fragment: (True, None) if the key holds our bytes, (False, what it holds)
@@ -145,6 +153,14 @@ class RoundExchange:
         """The signers of this stage's slots changed: see `RoundReader.set_stage_peers`."""
         return self.reader.set_stage_peers(stage_peers, former)
 
+    def live(self) -> set[int]:
+        return self.reader.slots()
+
+    @property
+    def cut_off_s(self) -> float:
+        """Unanswered LISTs for this long end a round's wait for its quorum (QUORUM_WAIT x W)."""
+        return QUORUM_WAIT * max(self.timeout_s, 1.0)
+
     def quorum_of(self, live: set[int]) -> int:
         return self.quorum or majority(len(live))
 
@@ -169,7 +185,7 @@ class RoundExchange:
 
     def _reject(self, fid: FragmentId, r: int, key: str, why: Exception, g: _Gathered) -> None:
         g.bad.add(key)
-        with self._lock:
+        with self.lock:
             self.stats.rejected += 1
         log.warning("rejected an object under replica %d's slot of %s (%s): %s", r, fid, key, why)
 
@@ -241,13 +257,33 @@ class RoundExchange:
     ) -> tuple[Decision, dict[int, str]] | None:
         """The rule on one fresh LIST of the round: (its decision, slot -> the key of its fragment). None if
         the LIST or a candidate it names could not be read now."""
+        got = self._firsts(fid, live, shapes, g, ours)
+        if got is None:
+            return None
+        firsts, now_s = got
+        stamps = {r: t for r, (t, _) in firsts.items()}
+        return self._rule(stamps, live, now_s), {r: key for r, (_, key) in firsts.items()}
+
+    def _rule(self, stamps: dict[int, int], live: set[int], now_s: int) -> Decision:
+        window_s = math.ceil(self.timeout_s)
+        return decide(stamps, live, quorum=self.quorum_of(live), window_s=window_s, now_s=now_s)
+
+    def _firsts(
+        self,
+        fid: FragmentId,
+        slots: set[int],
+        shapes: list[torch.Size],
+        g: _Gathered,
+        ours: tuple[list[torch.Tensor], str],
+    ) -> tuple[dict[int, tuple[int, str]], int] | None:
+        """One fresh LIST of the round: slot -> (t_r, the key of its first valid fragment) for `slots`, and
+        the store's clock; None if the LIST or a candidate it names could not be read now."""
         listed = self.reader.listing(fid)
         if listed is None:
             return None
         listing, now_s = listed
-        stamps: dict[int, int] = {}
-        chosen: dict[int, str] = {}
-        for r in sorted(live):
+        out: dict[int, tuple[int, str]] = {}
+        for r in sorted(slots):
             firsts: list[tuple[int, str]] = []  # each signer's first valid fragment
             for sg in sorted(listing.get(r, {})):
                 for t, key in listing[r][sg]:
@@ -258,9 +294,33 @@ class RoundExchange:
                         firsts.append((t, key))
                         break
             if firsts:  # the slot's: the earliest (a replaced signer's, in a round it took part in)
-                stamps[r], chosen[r] = min(firsts)
-        window_s = math.ceil(self.timeout_s)
-        return decide(stamps, live, quorum=self.quorum_of(live), window_s=window_s, now_s=now_s), chosen
+                out[r] = min(firsts)
+        return out, now_s
+
+    def _commit_late(
+        self, fid: FragmentId, d: Decision, live: set[int], shapes: list[torch.Size]
+    ) -> Committed:
+        """What round fid.round's final decision `d` commits from earlier rounds (node/sync/late_window.py),
+        read until the store answers; RoundAgreementError if it does not within the grace."""
+
+        def first_valid(
+            f0: FragmentId, slots: set[int], ours: tuple[list[torch.Tensor], str] | None
+        ) -> tuple[dict[int, tuple[int, list[torch.Tensor]]], int] | None:
+            g0 = self._kept.setdefault((f0.fragment, f0.round), _Gathered())  # rejected keys stay rejected
+            got = self._firsts(f0, slots, shapes, g0, ours or ([], ""))
+            return None if got is None else ({r: (t, g0.valid[k]) for r, (t, k) in got[0].items()}, got[1])
+
+        backoff = _Backoff(self.poll_s, self.poll_max_s)
+        grace_s = max(self.timeout_s, 10.0)
+        start = self.store.store_now()
+        while (done := self.late.commit(fid, d, live, first_valid, self._rule)) is None:
+            if self.store.store_now() - start > grace_s:
+                raise RoundAgreementError(
+                    f"round {fid.round} fragment {fid.fragment}: this replica could not list the earlier rounds "
+                    f"whose late fragments it may commit within {grace_s:.0f} s (check the store's health)"
+                )
+            backoff.wait(math.inf)
+        return done
 
     def _settles_at(self, live: set[int], g: _Gathered) -> float | None:
         """When, on the store's clock, a LIST may settle the round given what polling found (each t_r is
@@ -315,7 +375,7 @@ class RoundExchange:
                     break
                 if settled is not None and settled[0].settles_at_s is not None:
                     want = max(want, settled[0].settles_at_s + 0.05)
-            if want is None and now - answered_at > QUORUM_WAIT * max(self.timeout_s, 1.0):
+            if want is None and now - answered_at > self.cut_off_s:
                 break  # cut off from the store: nothing this replica applies is the consensus anyway
             if want is None and now - said_at >= QUORUM_WAIT * max(self.timeout_s, 1.0):
                 said_at = now
@@ -342,73 +402,25 @@ class RoundExchange:
             backoff.wait(wake if wake > time.monotonic() else math.inf)  # past it: the next LIST after a poll
         if settled is not None and not settled[0].final:
             settled = None  # below quorum to the end, or the worker stopped while we waited
-        contribs = {} if settled is None else {r: g.valid[settled[1][r]] for r in sorted(settled[0].members)}
-        self._report(fid, contribs, settled, g, ours, expected, started)
-        return Exchanged(contribs, None if contribs.get(me) is own else own)
-
-    def _report(
-        self,
-        fid: FragmentId,
-        contribs: dict[int, list[torch.Tensor]],
-        settled: tuple[Decision, dict[int, str]] | None,
-        g: _Gathered,
-        ours: tuple[list[torch.Tensor], str],
-        expected: set[int],
-        started: float,
-    ) -> None:
-        """Count and say what the round left out: our fragment (and why), and the slots that missed it."""
-        me, live = fid.replica, self.reader.slots()
+        on_time = {} if settled is None else {r: g.valid[settled[1][r]] for r in sorted(settled[0].members)}
+        report_round(self, fid, on_time, settled, g.bad, ours, expected, started)
         if settled is None:
-            log.warning(
-                "run %s stage %d round %d fragment %d: %s; the round applies nothing",
-                fid.run_id,
-                fid.stage,
-                fid.round,
-                fid.fragment,
-                "the worker stopped while it waited for a quorum"
-                if self.cancelled()
-                else f"the store did not answer a LIST for {QUORUM_WAIT * max(self.timeout_s, 1.0):.0f} s",
-            )
-        if contribs.get(me) is not ours[0]:
-            with self._lock:
-                self.stats.not_uploaded += 1
-            own_key = keys.fragment_key(
-                fid.run_id, fid.stage, fid.fragment, fid.round, me, self.codec.signer, ours[1]
-            )
-            why_not_ours = (
-                "the round was not settled"
-                if settled is None
-                else "a valid fragment of this slot was already in the store (from before a restart)"
-                if me in contribs
-                else "it reached the store after the round's deadline (the quorum's arrival + "
-                f"{math.ceil(self.timeout_s)} s on the store's clock)"
-                if me in settled[1]
-                else "our fragment's key already held other bytes"  # only someone who knew our bytes
-                if own_key in g.bad
-                else "the object store did not take it"
-            )
-            log.warning(
-                "our fragment %s was not used: %s; it stays in error feedback for a later round",
-                fid,
-                why_not_ours,
-            )
-        missing = (expected | live) - set(contribs) - {me}
-        if missing and settled is not None:
-            with self._lock:
-                self.stats.missing += len(missing)
-            gone = missing - live
-            log.warning(
-                "run %s stage %d round %d fragment %d: replicas %s did not arrive %s; aggregating %s",
-                fid.run_id,
-                fid.stage,
-                fid.round,
-                fid.fragment,
-                sorted(missing),
-                f"(dropped out after {time.monotonic() - started:.1f} s)"
-                if gone == missing
-                else f"within {self.timeout_s:.0f} s of the quorum",
-                sorted(contribs),
-            )
+            return Exchanged({}, [own])
+        used = {settled[1][r] for r in settled[0].members}
+        self._kept[fid.fragment, fid.round] = _Gathered(
+            {k: v for k, v in g.valid.items() if k not in used}, set(g.bad) | used, dict(g.seen)
+        )
+        late = self._commit_late(fid, settled[0], self.reader.slots(), shapes)
+        for key in [k for k in self._kept if k[0] == fid.fragment and k[1] < fid.round - self.late.k]:
+            del self._kept[key]
+        report_late(self, fid, late)
+        held = me not in on_time and self.late.hold(fid, ours)  # in a later round's set, if it lands in time
+        mine = [own] if on_time.get(me) is not own and not held else []
+        contribs = {
+            r: _summed([ts for _, ts in late.late.get(r, [])] + ([on_time[r]] if r in on_time else []))
+            for r in sorted(set(on_time) | set(late.late))
+        }
+        return Exchanged(contribs, mine + late.restore, {r: [q for q, _ in v] for r, v in late.late.items()})
 
     def _put_ours(
         self,
@@ -464,6 +476,18 @@ class RoundExchange:
             return
 
     def _count(self, up: int = 0, down: int = 0) -> None:
-        with self._lock:
+        with self.lock:
             self.stats.bytes_up += up
             self.stats.bytes_down += down
+
+
+def _summed(parts: list[list[torch.Tensor]]) -> list[torch.Tensor]:
+    """One slot's fragments of one round's set (late ones oldest first, then its on-time one) as one
+    contribution: summed in that order, the same bits on every replica."""
+    if len(parts) == 1:
+        return parts[0]
+    acc = [t.detach().float().clone() for t in parts[0]]
+    for ts in parts[1:]:
+        for a, t in zip(acc, ts, strict=True):
+            a += t.float()
+    return acc

@@ -6,10 +6,21 @@ writer of any one key, chooses it. Every replica reads the round with one LIST a
     D    = t_(q) + W                                           (the q-th smallest t_r; W = sync.timeout_s)
     S    = { r live : t_r <= D }                               (|S| >= q by construction)
 
-and takes S as final once the store's clock (the LIST's own Date) reads at least D + M, or, with every live
-slot in, at least max_r t_r + M: an object whose LastModified is M seconds older than a LIST is in it
-(S3 and R2 list strongly consistently; M covers the one-second rounding both ways), so no later LIST can
-show an earlier fragment that would change a t_r, the q-th arrival or S.
+and takes S as final once the store's clock (the LIST's own Date) reads at least C + M, with the cutoff
+C = D, or, with every live slot in, C = max_r t_r: an object whose LastModified is M seconds older than a
+LIST is in it (S3 and R2 list strongly consistently; M covers the one-second rounding both ways), so no
+later LIST can show an earlier fragment that would change a t_r, the q-th arrival or S.
+
+Late entries (issue 22; `sync.max_late_rounds` = k, default 1). A slot's fragment of round R - b
+(1 <= b <= k) that missed its round's set is committed in round R's, by the same arithmetic on one LIST of
+round R - b taken after round R is final:
+
+    L_R(R - b) = { j live, j not in S_(R-b) : C_(R'') < t_j(R - b) <= C_R for every R - b < R'' < R }
+
+(committed in the first round whose cutoff it meets, once); later than C_(R-b+k) it is never committed
+and goes back to its sender's error feedback. A slot's late and on-time fragments in one round are one
+contribution (summed). The late entries need no new key and no new writer: every replica reads them from
+the same LastModified, so they are agreed exactly as S is.
 
 Why this rule (rather than a record signed by one writer, or a quorum of signed votes):
 - LastModified is written by the store, not by the uploader; keys are write-once, and with grants each
@@ -54,6 +65,9 @@ class Decision:
     """No later LIST can change `members`."""
     settles_at_s: int | None
     """The store time at which a LIST would be final, if nothing more arrives (None: below quorum)."""
+    cutoff_s: int | None = None
+    """C: every fragment stamped at or before it is in a final LIST (settles_at_s - M; None: below quorum).
+    A late fragment of an earlier round counts in this round if stamped by C (`late_entries`)."""
 
 
 def decide(
@@ -72,8 +86,21 @@ def decide(
         return Decision(frozenset(), None, False, None)
     deadline = arrived[quorum - 1] + window_s
     members = frozenset(r for r, t in stamps.items() if r in live and t <= deadline)
-    settles = min(deadline, max(arrived)) + margin_s if len(arrived) == len(live) else deadline + margin_s
-    return Decision(members, deadline, now_s >= settles, settles)
+    cutoff = min(deadline, max(arrived)) if len(arrived) == len(live) else deadline
+    return Decision(members, deadline, now_s >= cutoff + margin_s, cutoff + margin_s, cutoff)
 
 
-__all__ = ["STORE_MARGIN_S", "Decision", "decide", "majority"]
+def late_entries(
+    stamps: dict[int, int], members: frozenset[int], live: set[int], *, cutoff_s: int, between: list[int]
+) -> set[int]:
+    """L_R(R - b): the live slots not in S_(R-b) (`members`) whose round R - b fragment (`stamps`, slot ->
+    t_j(R - b)) is stamped by round R's cutoff C_R and after the cutoffs of the rounds in between
+    (`between`: C_R'' for R - b < R'' < R; it was committed in the first one it met)."""
+    return {
+        j
+        for j, t in stamps.items()
+        if j in live and j not in members and t <= cutoff_s and all(t > c for c in between)
+    }
+
+
+__all__ = ["STORE_MARGIN_S", "Decision", "decide", "late_entries", "majority"]

@@ -3,7 +3,7 @@
 Each client request is read up to its head; `rule(method, path)` then picks what happens to it:
 "pass" (or False) forwards it to the upstream server with `Connection: close` and relays the answer byte
 for byte; "503" (or True) answers an S3 `503 SlowDown`; "stall" holds the connection unanswered for
-`stall_s`, then closes it; "truncate" forwards it but cuts the answer off after half its bytes. Real
+`stall_s`, then closes it; "delay" holds it for `delay_s`, then forwards it as "pass" does; "truncate" forwards it but cuts the answer off after half its bytes. Real
 sockets on loopback; nothing is mocked.
 """
 
@@ -25,6 +25,7 @@ class FaultProxy:
         self.upstream = (host, int(port))
         self.rule: Callable[[str, str], bool | str] = lambda method, path: False
         self.stall_s = 5.0
+        self.delay_s = 5.0
         self.failed: list[tuple[str, str]] = []
         """(method, path) of every request the proxy did not pass through intact."""
         self.actions: dict[str, int] = {}
@@ -68,6 +69,8 @@ class FaultProxy:
             if action == "stall":
                 self._closed.wait(self.stall_s)
                 return
+            if action == "delay":  # a slow link: the request reaches the store delay_s late, whole
+                self._closed.wait(self.delay_s)
             if action == "503":
                 conn.sendall(
                     b"HTTP/1.1 503 Slow Down\r\nContent-Type: application/xml\r\n"

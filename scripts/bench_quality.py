@@ -17,6 +17,10 @@ replica r draws batch (data_seed, r, step) in every arm, so every method sees th
 - sparseloco:   error feedback + top-k per 4096-chunk + 2-bit values (arXiv 2508.15706); k = 64,
                 per-coordinate mean, alpha 1, beta 0.7, H = 5 (the best of the settings tried here:
                 with 200 rounds a short error-feedback memory beats the paper's 0.95; docs/benchmarks.md).
+- late_commit / late_drop: SparseLoCo, where the last replica's fragment of every odd round (0-based)
+                reaches the store --late-window-s + 2.5 s after the round began, past its deadline
+                (W = --late-window-s); committed in the next round's set (sync.max_late_rounds = 1) or
+                left to its sender's error feedback (max_late_rounds = 0, the behaviour before issue 22).
 - stream_tau1/2: SparseLoCo with P strided fragments captured at c_f = (f+1) floor(H/P) and applied
                 tau = 1 or 2 inner steps later, keeping the local drift (arXiv 2501.18512). The run spec
                 needs tau < floor(H/P) (a cycle's fragments all applied before the next cycle's first
@@ -71,7 +75,10 @@ from protocol.runspec import ModelSpec, RunSpec, SyncSpec, TrainSpec
 from scripts.bench_subspace_quality import bench_model
 from scripts.embedded_store import embedded_store
 
-ARMS = ("adamw", "diloco", "sparseloco", "stream_tau1", "stream_tau2")
+ARMS = ("adamw", "diloco", "sparseloco", "stream_tau1", "stream_tau2", "late_commit", "late_drop")
+LATE_ARMS = {"late_commit": 1, "late_drop": 0}
+"""The late arms and their sync.max_late_rounds: the last replica's fragment of every other round reaches
+the store after that round's deadline; committed in the next round's set, or dropped (error feedback)."""
 ATTACKS = ("x100", "flip", "floatmax", "reversed", "orthogonal")
 COLLUDING = ("reversed", "orthogonal")
 """Attacks built from the round's honest contributions (`HonestBoard`), not from the attacker's own alone."""
@@ -105,6 +112,8 @@ class Result:
     rounds: int = 0
     rejected: int = 0
     missing: int = 0
+    late_committed: int = 0
+    """Late fragments committed, counted by one replica."""
     diverged_at: int | None = None
     """Inner step after which the weights or the loss stopped being finite (None: they never did)."""
 
@@ -253,6 +262,26 @@ class ForgingCodec(SparseLoCoCodec):
         return forged
 
 
+class LateCodec(SparseLoCoCodec):
+    """An honest replica on a slow link: its fragment of every odd round reaches the store `delay_s` late
+    (the I/O thread waits before the upload; training goes on)."""
+
+    def __init__(self, identity: Identity, cfg: SparseLoCoConfig, delay_s: float) -> None:
+        super().__init__(identity, cfg, device_path=False)
+        self.delay_s = delay_s
+
+    def encode(self, fid: FragmentId, delta: list[torch.Tensor]) -> Encoding:
+        encoding = super().encode(fid, delta)
+        if fid.round % 2 == 0:
+            return encoding
+
+        def late() -> tuple[bytes, list[torch.Tensor]]:
+            time.sleep(self.delay_s)
+            return encoding()
+
+        return late
+
+
 CPU = torch.device("cpu")
 
 
@@ -341,6 +370,8 @@ def run_outer(
                 codec = ForgingCodec(ids[r], codec.cfg, attack, board)
             elif board is not None:
                 codec = PostingCodec(ids[r], codec.cfg, board)
+        if name in LATE_ARMS and r == s.replicas - 1 and isinstance(codec, SparseLoCoCodec):
+            codec = LateCodec(ids[r], codec.cfg, sync.timeout_s + 2.5)
         syncs.append(
             OuterSync(
                 list(model.parameters()),
@@ -356,6 +387,7 @@ def run_outer(
                 momentum=parts.momentum,
                 timeout_s=sync.timeout_s,
                 poll_s=0.002,
+                max_late_rounds=sync.max_late_rounds,
             )
         )
         replicas.append((model, opt))
@@ -409,6 +441,7 @@ def run_outer(
         rounds=int(rounds),
         rejected=sum(x.rejected for x in st),
         missing=sum(x.missing for x in st),
+        late_committed=st[0].late_committed,
         diverged_at=diverged_at,
     )
 
@@ -479,6 +512,12 @@ def parser() -> argparse.ArgumentParser:
     ap.add_argument("--max-abs-ratio", type=float, default=SyncSpec.max_abs_ratio, help="sync.max_abs_ratio")
     ap.add_argument("--trim", type=float, default=SyncSpec.trim, help="sync.trim")
     ap.add_argument("--min-agreement", type=float, default=SyncSpec.min_agreement, help="sync.min_agreement")
+    ap.add_argument(
+        "--late-window-s",
+        type=float,
+        default=1.0,
+        help="W (sync.timeout_s) of the late arms; their late fragments arrive W + 2.5 s into the round",
+    )
     ap.add_argument("--attack", choices=ATTACKS, help="one replica uploads forged fragments (see above)")
     ap.add_argument("--attack-replica", type=int, help="the hostile replica (default the last)")
     ap.add_argument("--attack-rounds", default="3-8", help="1-based outer rounds of the attack (default 3-8)")
@@ -522,7 +561,14 @@ def arm_sync(name: str, args: argparse.Namespace) -> SyncSpec:
             **robust_settings(args),
         )
     tau = STREAM_TAU.get(name, 0)
-    P = 1 if name == "sparseloco" else stream_P(args.H, tau) if args.P is None else args.P
+    late = {"timeout_s": args.late_window_s, "max_late_rounds": LATE_ARMS[name]} if name in LATE_ARMS else {}
+    P = (
+        1
+        if name == "sparseloco" or name in LATE_ARMS
+        else stream_P(args.H, tau)
+        if args.P is None
+        else args.P
+    )
     return SyncSpec(
         method="sparseloco",
         H=args.H,
@@ -532,6 +578,7 @@ def arm_sync(name: str, args: argparse.Namespace) -> SyncSpec:
         k=args.k,
         beta=args.beta,
         aggregation=args.aggregation,
+        **late,
         **robust_settings(args),
     )
 
@@ -742,6 +789,9 @@ def main(argv: list[str] | None = None) -> int:
         "gap_diloco_vs_adamw": gap("diloco", "adamw"),
         "gap_tau1_vs_sparseloco": gap("stream_tau1", "sparseloco"),
         "gap_tau2_vs_sparseloco": gap("stream_tau2", "sparseloco"),
+        "gap_late_commit_vs_sparseloco": gap("late_commit", "sparseloco"),
+        "gap_late_drop_vs_sparseloco": gap("late_drop", "sparseloco"),
+        "late_committed": {r.name: r.late_committed for r in results if r.name in LATE_ARMS},
         "sparseloco_beats_diloco": (by["sparseloco"].val_bpb < by["diloco"].val_bpb)
         if "sparseloco" in by and "diloco" in by
         else None,

@@ -58,6 +58,12 @@ def put(ex: RoundExchange, fid: FragmentId) -> Exchanged:
     return ex.run(fid, ex.codec.encode(fid, delta), SHAPES)
 
 
+def together(exs: list[RoundExchange], run: str, rnd: int) -> list[Exchanged]:
+    """Each exchange's replica puts its round-`rnd` fragment, all at once (one thread each)."""
+    with ThreadPoolExecutor(len(exs)) as pool:
+        return list(pool.map(lambda ex: put(ex, FragmentId(run, 0, 0, rnd, ex.replica)), exs))
+
+
 def values(ex: Exchanged) -> dict[int, float]:
     return {r: float(t[0][0]) for r, t in ex.contribs.items()}
 
@@ -85,8 +91,7 @@ def test_a_replica_that_never_comes_is_missing_and_a_late_one_applies_the_same_s
     for k in (1, 0):
         run = f"rx-{uuid.uuid4().hex[:8]}"
         exs = [exchange(store, r, 3, timeout_s=1.0, max_late_rounds=k) for r in range(3)]
-        with ThreadPoolExecutor(2) as pool:
-            early = list(pool.map(lambda r: put(exs[r], FragmentId(run, 0, 0, 0, r)), range(2)))
+        early = together(exs[:2], run, 0)
         assert all(values(g) == {0: 1.0, 1: 2.0} for g in early)
         assert all(exs[r].stats.missing == 1 for r in range(2))
         late = put(exs[2], FragmentId(run, 0, 0, 0, 2))
@@ -121,10 +126,7 @@ def test_a_fragment_later_than_the_window_goes_back_to_its_sender(store: ObjectS
     replica 2 gets it back (restore) with round 1, counted as expired; its round-1 fragment now waits."""
     run = f"rx-{uuid.uuid4().hex[:8]}"
     exs = [exchange(store, r, 3, timeout_s=1.0) for r in range(3)]
-    with ThreadPoolExecutor(2) as pool:
-        early = [
-            list(pool.map(lambda r: put(exs[r], FragmentId(run, 0, 0, rnd, r)), range(2))) for rnd in (0, 1)
-        ]
+    early = [together(exs[:2], run, rnd) for rnd in (0, 1)]
     assert [values(g[0]) for g in early] == [{0: 1.0, 1: 2.0}, {0: 11.0, 1: 12.0}]
     assert put(exs[2], FragmentId(run, 0, 0, 0, 2)).unsent == []
     got = put(exs[2], FragmentId(run, 0, 0, 1, 2))
@@ -190,3 +192,31 @@ def test_set_stage_peers_keeps_the_replaced_signer_for_its_rounds(store: ObjectS
     assert ex.reader.signers(1) == {newcomer, IDS[1].peer_id}
     assert known == {IDS[0].peer_id, newcomer, IDS[1].peer_id}
     assert ex.reader.slots() == {0, 1}
+
+
+def test_a_replica_restarted_from_a_checkpoint_commits_the_same_late_fragments(store: ObjectStore) -> None:
+    """The late window's cutoffs are consensus state carried by checkpoints: replica 1 restarted after
+    round 0 with the state of a checkpoint (`state()` -> `load_state()`) commits replica 2's late round-0
+    fragment in round 1 exactly as the others do. A replica with no cutoff for an earlier round, whose view
+    cannot re-derive it (a round played alone, read back with two live slots: below quorum), commits
+    nothing of that round and does not get stuck."""
+    run = f"rx-{uuid.uuid4().hex[:8]}"
+    exs = [exchange(store, r, 3, timeout_s=1.0) for r in range(3)]
+    with ThreadPoolExecutor(2) as pool:
+        list(pool.map(lambda r: put(exs[r], FragmentId(run, 0, 0, 0, r)), range(2)))
+    put(exs[2], FragmentId(run, 0, 0, 0, 2))
+    restarted = exchange(store, 1, 3, timeout_s=1.0)
+    restarted.load_state(exs[1].state())
+    now = [exs[0], restarted, exs[2]]
+    with ThreadPoolExecutor(3) as pool:
+        got = list(pool.map(lambda r: put(now[r], FragmentId(run, 0, 0, 1, r)), range(3)))
+    assert all(values(g) == {0: 11.0, 1: 12.0, 2: 16.0} and g.late == {2: [0]} for g in got)
+
+    solo = f"rx-{uuid.uuid4().hex[:8]}"
+    alone = exchange(store, 0, 1, timeout_s=1.0)
+    assert values(put(alone, FragmentId(solo, 0, 0, 0, 0))) == {0: 1.0}
+    alone.set_stage_peers({0: IDS[0].peer_id, 1: IDS[1].peer_id})
+    fresh = exchange(store, 1, 2, timeout_s=1.0)  # no state: round 0 read back under two live slots
+    with ThreadPoolExecutor(2) as pool:
+        got = list(pool.map(lambda ex: put(ex, FragmentId(solo, 0, 0, 1, ex.replica)), [alone, fresh]))
+    assert all(values(g) == {0: 11.0, 1: 12.0} and g.late == {} for g in got)

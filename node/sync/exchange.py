@@ -141,6 +141,15 @@ class Exchange(Protocol):
         raise RoundAgreementError if this replica cannot apply it."""
         ...
 
+    def state(self) -> dict[str, torch.Tensor]:
+        """What the exchange carries between rounds that every replica holds alike (the store's: the recent
+        rounds' cutoffs its late window decides with), for checkpoints."""
+        ...
+
+    def load_state(self, state: dict[str, torch.Tensor]) -> None:
+        """Restore `state()` (missing keys: a checkpoint of an older build)."""
+        ...
+
     def set_stage_peers(
         self, stage_peers: dict[int, str], former: dict[int, set[str]] | None = None
     ) -> set[str]:

@@ -229,6 +229,7 @@ class OuterSync:
         out = {f"anchor.{n}": a for n, a in zip(names, self.anchor, strict=True)}
         out.update({f"outer_m.{n}": m for n, m in zip(names, self.outer_m, strict=False)})
         out.update({f"codec.{k}": v for k, v in self.codec.state().items()})
+        out.update({f"exchange.{k}": v for k, v in self.exchange.state().items()})
         if self.confine is not None:
             out[ANCHOR_IN_SPAN] = torch.ones(1)
         return out
@@ -247,6 +248,9 @@ class OuterSync:
                     for i, t in enumerate(ts):
                         t.copy_(self.confine.consensus(i, t.cpu()).to(t.device))
         self.codec.load_state({k[len("codec.") :]: v for k, v in state.items() if k.startswith("codec.")})
+        self.exchange.load_state(
+            {k[len("exchange.") :]: v for k, v in state.items() if k.startswith("exchange.")}
+        )
 
     def save_checkpoint(self, step: int, rnd: int) -> None:
         """Everything needed to continue from round `rnd`: the worker's weights and optimizer, our anchor,

@@ -153,6 +153,12 @@ class RoundExchange:
         """The signers of this stage's slots changed: see `RoundReader.set_stage_peers`."""
         return self.reader.set_stage_peers(stage_peers, former)
 
+    def state(self) -> dict[str, torch.Tensor]:
+        return self.late.state()
+
+    def load_state(self, state: dict[str, torch.Tensor]) -> None:
+        self.late.load_state(state)
+
     def live(self) -> set[int]:
         return self.reader.slots()
 
@@ -311,7 +317,7 @@ class RoundExchange:
             return None if got is None else ({r: (t, g0.valid[k]) for r, (t, k) in got[0].items()}, got[1])
 
         backoff = _Backoff(self.poll_s, self.poll_max_s)
-        grace_s = max(self.timeout_s, 10.0)
+        grace_s = self.cut_off_s  # as long as a round waits on an unanswering store: the answer keeps
         start = self.store.store_now()
         while (done := self.late.commit(fid, d, live, first_valid, self._rule)) is None:
             if self.store.store_now() - start > grace_s:
@@ -410,9 +416,9 @@ class RoundExchange:
         self._kept[fid.fragment, fid.round] = _Gathered(
             {k: v for k, v in g.valid.items() if k not in used}, set(g.bad) | used, dict(g.seen)
         )
-        late = self._commit_late(fid, settled[0], self.reader.slots(), shapes)
-        for key in [k for k in self._kept if k[0] == fid.fragment and k[1] < fid.round - self.late.k]:
-            del self._kept[key]
+        late = self._commit_late(fid, settled[0], live, shapes)  # the view the decision was made in
+        for key in [k for k in list(self._kept) if k[0] == fid.fragment and k[1] < fid.round - self.late.k]:
+            self._kept.pop(key, None)
         report_late(self, fid, late)
         held = me not in on_time and self.late.hold(fid, ours)  # in a later round's set, if it lands in time
         mine = [own] if on_time.get(me) is not own and not held else []
@@ -420,7 +426,8 @@ class RoundExchange:
             r: _summed([ts for _, ts in late.late.get(r, [])] + ([on_time[r]] if r in on_time else []))
             for r in sorted(set(on_time) | set(late.late))
         }
-        return Exchanged(contribs, mine + late.restore, {r: [q for q, _ in v] for r, v in late.late.items()})
+        restore = mine + [ts for _, ts in late.restore]
+        return Exchanged(contribs, restore, {r: [q for q, _ in v] for r, v in late.late.items()})
 
     def _put_ours(
         self,

@@ -124,14 +124,15 @@ def report_late(ex: Settling, fid: FragmentId, late: Committed) -> None:
             {r: [q for q, _ in v] for r, v in sorted(late.late.items())},
             f"; ours of rounds {late.ours_committed}" if late.ours_committed else "",
         )
-    if late.restore:
+    for rnd, _ in late.restore:
         log.warning(
-            "run %s stage %d fragment %d: our fragment of round %d was in no round's set within "
-            "sync.max_late_rounds = %d rounds; it goes back to error feedback",
+            "run %s stage %d fragment %d: our fragment of round %d was in no round's set by round %d "
+            "(sync.max_late_rounds = %d); it goes back to error feedback",
             fid.run_id,
             fid.stage,
             fid.fragment,
-            fid.round - ex.late.k,
+            rnd,
+            fid.round,
             ex.late.k,
         )
 

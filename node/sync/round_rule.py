@@ -15,10 +15,11 @@ Late entries (issue 22; `sync.max_late_rounds` = k, default 1). A slot's fragmen
 (1 <= b <= k) that missed its round's set is committed in round R's, by the same arithmetic on one LIST of
 round R - b taken after round R is final:
 
-    L_R(R - b) = { j live, j not in S_(R-b) : C_(R'') < t_j(R - b) <= C_R for every R - b < R'' < R }
+    L_R(R - b) = { j live : C_(R'') < t_j(R - b) <= C_R for every R - b <= R'' < R }
 
-(committed in the first round whose cutoff it meets, once); later than C_(R-b+k) it is never committed
-and goes back to its sender's error feedback. A slot's late and on-time fragments in one round are one
+(S_(R-b) = { j : t_j <= C_(R-b) }, so only the cutoffs are needed, and they are the same on every
+replica: checkpoints carry them). A fragment is committed in the first round whose cutoff it meets, once;
+later than C_(R-b+k) it is never committed and goes back to its sender's error feedback. A slot's late and on-time fragments in one round are one
 contribution (summed). The late entries need no new key and no new writer: every replica reads them from
 the same LastModified, so they are agreed exactly as S is.
 
@@ -90,17 +91,12 @@ def decide(
     return Decision(members, deadline, now_s >= cutoff + margin_s, cutoff + margin_s, cutoff)
 
 
-def late_entries(
-    stamps: dict[int, int], members: frozenset[int], live: set[int], *, cutoff_s: int, between: list[int]
-) -> set[int]:
-    """L_R(R - b): the live slots not in S_(R-b) (`members`) whose round R - b fragment (`stamps`, slot ->
-    t_j(R - b)) is stamped by round R's cutoff C_R and after the cutoffs of the rounds in between
-    (`between`: C_R'' for R - b < R'' < R; it was committed in the first one it met)."""
-    return {
-        j
-        for j, t in stamps.items()
-        if j in live and j not in members and t <= cutoff_s and all(t > c for c in between)
-    }
+def late_entries(stamps: dict[int, int], live: set[int], *, cutoff_s: int, before: list[int]) -> set[int]:
+    """L_R(R - b): the live slots whose round R - b fragment (`stamps`, slot -> t_j(R - b), its first valid
+    one) is stamped by round R's cutoff C_R and after every cutoff from its own round's to the last one's
+    (`before`: C_(R-b), ..., C_(R-1)). Past C_(R-b) it missed its own set (S = { j : t_j <= C }); past the
+    ones between it was not committed earlier."""
+    return {j for j, t in stamps.items() if j in live and t <= cutoff_s and all(t > c for c in before)}
 
 
 __all__ = ["STORE_MARGIN_S", "Decision", "decide", "late_entries", "majority"]

@@ -20,7 +20,8 @@ replica r draws batch (data_seed, r, step) in every arm, so every method sees th
 - late_commit / late_drop: SparseLoCo, where the last replica's fragment of every odd round (0-based)
                 reaches the store --late-window-s + 2.5 s after the round began, past its deadline
                 (W = --late-window-s); committed in the next round's set (sync.max_late_rounds = 1) or
-                left to its sender's error feedback (max_late_rounds = 0, the behaviour before issue 22).
+                left to its sender's error feedback (max_late_rounds = 0, the behaviour before issue 22);
+                --late-method diloco runs them as the diloco arm (no error feedback: a dropped one is lost).
 - stream_tau1/2: SparseLoCo with P strided fragments captured at c_f = (f+1) floor(H/P) and applied
                 tau = 1 or 2 inner steps later, keeping the local drift (arXiv 2501.18512). The run spec
                 needs tau < floor(H/P) (a cycle's fragments all applied before the next cycle's first
@@ -65,7 +66,7 @@ from node.device import resolve_precision
 from node.inner_step import inner_step, make_optimizer, prepare_stage
 from node.model import Stage, build_full_model, lm_loss
 from node.sync.aggregation import norm
-from node.sync.outer_sync import Encoding, FragmentId, OuterSync
+from node.sync.outer_sync import Encoding, FragmentCodec, FragmentId, OuterSync
 from node.sync.sparseloco_sync import SparseLoCoCodec, make_sync_parts
 from protocol.codecs.sparseloco import CompressedFragment, SparseLoCoConfig, compress, decompress
 from protocol.codecs.sparseloco_format import decode_fragment, encode_fragment
@@ -262,16 +263,27 @@ class ForgingCodec(SparseLoCoCodec):
         return forged
 
 
-class LateCodec(SparseLoCoCodec):
-    """An honest replica on a slow link: its fragment of every odd round reaches the store `delay_s` late
-    (the I/O thread waits before the upload; training goes on)."""
+class LateCodec:
+    """An honest replica on a slow link, any codec: its fragment of every odd round reaches the store
+    `delay_s` late (the I/O thread waits before the upload; training goes on). Everything else is the
+    wrapped codec's."""
 
-    def __init__(self, identity: Identity, cfg: SparseLoCoConfig, delay_s: float) -> None:
-        super().__init__(identity, cfg, device_path=False)
-        self.delay_s = delay_s
+    def __init__(self, codec: FragmentCodec, delay_s: float) -> None:
+        self.codec, self.delay_s = codec, delay_s
+        self.identity = codec.identity
+        self.decode, self.restore, self.residual = codec.decode, codec.restore, codec.residual
+        self.state, self.load_state = codec.state, codec.load_state
+
+    @property
+    def signer(self) -> str:
+        return self.codec.signer
+
+    @property
+    def max_fragment_bytes(self) -> int:
+        return self.codec.max_fragment_bytes
 
     def encode(self, fid: FragmentId, delta: list[torch.Tensor]) -> Encoding:
-        encoding = super().encode(fid, delta)
+        encoding = self.codec.encode(fid, delta)
         if fid.round % 2 == 0:
             return encoding
 
@@ -370,8 +382,8 @@ def run_outer(
                 codec = ForgingCodec(ids[r], codec.cfg, attack, board)
             elif board is not None:
                 codec = PostingCodec(ids[r], codec.cfg, board)
-        if name in LATE_ARMS and r == s.replicas - 1 and isinstance(codec, SparseLoCoCodec):
-            codec = LateCodec(ids[r], codec.cfg, sync.timeout_s + 2.5)
+        if name in LATE_ARMS and r == s.replicas - 1:
+            codec = LateCodec(codec, sync.timeout_s + 2.5)
         syncs.append(
             OuterSync(
                 list(model.parameters()),
@@ -482,7 +494,11 @@ def parser() -> argparse.ArgumentParser:
         action="store_true",
         help="build every selected arm's settings and run spec, print one JSON line, train nothing",
     )
-    ap.add_argument("--arms", default=",".join(ARMS), help=f"comma-separated subset of {','.join(ARMS)}")
+    ap.add_argument(
+        "--arms",
+        default=",".join(a for a in ARMS if a not in LATE_ARMS),
+        help=f"comma-separated subset of {','.join(ARMS)} (default: all but the late arms)",
+    )
     ap.add_argument("--replicas", type=int, default=4, help="R simulated replicas (default 4)")
     ap.add_argument("--steps", type=int, default=1000, help="inner steps per replica (default 1000)")
     ap.add_argument("--H", type=int, default=5, help="inner steps per outer round (default 5)")
@@ -512,6 +528,13 @@ def parser() -> argparse.ArgumentParser:
     ap.add_argument("--max-abs-ratio", type=float, default=SyncSpec.max_abs_ratio, help="sync.max_abs_ratio")
     ap.add_argument("--trim", type=float, default=SyncSpec.trim, help="sync.trim")
     ap.add_argument("--min-agreement", type=float, default=SyncSpec.min_agreement, help="sync.min_agreement")
+    ap.add_argument(
+        "--late-method",
+        choices=("sparseloco", "diloco"),
+        default="sparseloco",
+        help="the outer method of the late arms (diloco: dense, no error feedback, so a dropped fragment "
+        "is lost)",
+    )
     ap.add_argument(
         "--late-window-s",
         type=float,
@@ -551,17 +574,18 @@ def robust_settings(args: argparse.Namespace) -> dict[str, Any]:
 
 def arm_sync(name: str, args: argparse.Namespace) -> SyncSpec:
     """The sync settings of outer arm `name`; the spec's ValueError when it refuses them."""
-    if name == "diloco":
+    late = {"timeout_s": args.late_window_s, "max_late_rounds": LATE_ARMS[name]} if name in LATE_ARMS else {}
+    if name == "diloco" or (name in LATE_ARMS and args.late_method == "diloco"):
         return SyncSpec(
             method="diloco",
             H=args.H,
             alpha=args.diloco_alpha,
             outer_momentum=args.diloco_momentum,
             aggregation="mean",
+            **late,
             **robust_settings(args),
         )
     tau = STREAM_TAU.get(name, 0)
-    late = {"timeout_s": args.late_window_s, "max_late_rounds": LATE_ARMS[name]} if name in LATE_ARMS else {}
     P = (
         1
         if name == "sparseloco" or name in LATE_ARMS

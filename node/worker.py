@@ -40,7 +40,6 @@ from protocol.envelope import seal
 from protocol.framing import encode_frame
 from protocol.identity import Identity
 from protocol.messages import Assignment, Hello
-from protocol.net.grants import GrantedStore
 from protocol.net.store import ObjectStore, StoreError
 from protocol.trust.delegation import OperatorTrust
 
@@ -473,7 +472,10 @@ class StageWorker:
         m.sync_wait_s = sync.stats.wait_s
         m.fragments_rejected, m.fragments_missing = sync.stats.rejected, sync.stats.missing
         m.fragments_not_uploaded = sync.stats.not_uploaded
-        m.fragments_late_committed, m.fragments_late_expired = sync.stats.late_committed, sync.stats.late_expired
+        m.fragments_late_committed, m.fragments_late_expired = (
+            sync.stats.late_committed,
+            sync.stats.late_expired,
+        )
 
     def _report(self) -> None:
         import json
@@ -482,7 +484,7 @@ class StageWorker:
         try:
             self.store.put(key, json.dumps(self.m.as_dict()).encode())
         except StoreError as e:
-            if not isinstance(self.store, GrantedStore):
+            if not self.store.write_once:
                 raise
             # through grants the report is written once, by its grant: the run's work is done all the same
             log.warning("final report %s not written: %s", key, e)

@@ -54,7 +54,6 @@ from protocol import keys
 from protocol.envelope import open_envelope, seal
 from protocol.identity import Identity, SignatureError, peer_id_of, public_key_of_peer_id
 from protocol.messages import Assignment, CheckpointManifest, CheckpointPointer
-from protocol.net.grants import GrantedStore
 from protocol.net.store import (
     DEFAULT_PART_BYTES,
     ObjectChanged,
@@ -273,7 +272,7 @@ def write_checkpoint(
     sealed = seal(identity, manifest)
     manifest_key = keys.ckpt_manifest_key(run_id, rnd=round, stage=stage, replica=replica)
     store.put(manifest_key, sealed)
-    if not isinstance(store, GrantedStore):  # one that writes each key once moves no pointer: readers list
+    if not store.write_once:  # one that writes each key once moves no pointer: readers list
         pointer = CheckpointPointer(
             run_id=run_id,
             stage=stage,

@@ -37,7 +37,6 @@ from node.sync.round_log import report_late, report_round
 from node.sync.round_reader import RoundReader
 from node.sync.round_rule import Decision, decide, majority
 from protocol import keys
-from protocol.net.grants import GrantedStore
 from protocol.net.store import ObjectStore, ObjectTooLarge, ObjectUnreadable, StoreError
 from protocol.schema import ProtocolError
 
@@ -448,8 +447,8 @@ class RoundExchange:
         me, signer = fid.replica, self.codec.signer
         primary = self._primary(fid, me, signer)
         by_hash = keys.fragment_key(fid.run_id, fid.stage, fid.fragment, fid.round, me, signer, ours[1])
-        granted = isinstance(self.store, GrantedStore)
-        if isinstance(self.store, GrantedStore) and primary not in g.bad and not self.store.holds(primary):
+        granted = self.store.write_once
+        if granted and primary not in g.bad and not self.store.may_write(primary):
             log.warning(
                 "run %s stage %d round %d fragment %d: no grant to write our fragment %s; the round goes on "
                 "without it (is the coordinator issuing grants? see its log)",

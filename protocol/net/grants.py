@@ -273,6 +273,8 @@ class GrantedStore(ObjectStore):
     or one PUT for a file of at most `part_bytes`). It cannot delete or overwrite: `delete` and
     `put_if_match` raise StoreError, a key without a grant raises NoGrant before anything is sent."""
 
+    write_once = True
+
     def __init__(
         self,
         cfg: StoreConfig,
@@ -360,6 +362,9 @@ class GrantedStore(ObjectStore):
                 return
             self._refilled_at = time.monotonic()
             self._refill()
+
+    def may_write(self, key: str) -> bool:
+        return self.holds(key)
 
     def holds(self, key: str) -> bool:
         """Whether this store holds a grant to write `key` that is not about to expire, after asking for

@@ -185,6 +185,14 @@ class StoreOps:
 class ObjectStore:
     """Byte-counting boto3 wrapper; thread-safe (boto3 clients are)."""
 
+    write_once = False
+    """Whether this client writes each key at most once, and only keys it was granted (protocol/net/grants.py
+    `GrantedStore`): then nothing it writes can be moved later (no pointer, no rewritten report)."""
+
+    def may_write(self, key: str) -> bool:
+        """Whether a write of `key` can be tried at all (a full credential may write anything)."""
+        return True
+
     def __init__(self, cfg: StoreConfig, *, timeout_s: float = 30.0) -> None:
         self.cfg = cfg
         self.bucket = cfg.bucket

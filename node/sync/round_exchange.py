@@ -112,8 +112,8 @@ class RoundExchange:
         self.store, self.codec, self.replica = store, codec, replica
         self.late = LateWindow(max_late_rounds, replica)
         self._kept: dict[tuple[int, int], _Gathered] = {}
-        """(fragment, round) -> what a recent round's reads found, but its set's fragments (their keys are
-        never read again): the late window reads those rounds without GETting or rejecting a key twice."""
+        """(fragment, round) -> a recent round's reads but its set's (never read again): the late window
+        reads those rounds without GETting or rejecting a key twice."""
         self.reader = RoundReader(
             store,
             replica=replica,
@@ -157,9 +157,6 @@ class RoundExchange:
 
     def load_state(self, state: dict[str, torch.Tensor]) -> None:
         self.late.load_state(state)
-
-    def live(self) -> set[int]:
-        return self.reader.slots()
 
     @property
     def cut_off_s(self) -> float:

@@ -14,6 +14,7 @@ import torch
 
 from node.sync.exchange import FragmentCodec, FragmentId, SyncStats
 from node.sync.late_window import Committed, LateWindow
+from node.sync.round_reader import RoundReader
 from node.sync.round_rule import Decision
 from protocol import keys
 
@@ -25,6 +26,7 @@ class Settling(Protocol):
     lock: threading.Lock
     timeout_s: float
     late: LateWindow
+    reader: RoundReader
     cancelled: Callable[[], bool]
 
     @property
@@ -32,10 +34,6 @@ class Settling(Protocol):
 
     @property
     def cut_off_s(self) -> float: ...
-
-    def live(self) -> set[int]:
-        """The stage's live slots now."""
-        ...
 
 
 log = logging.getLogger("node.sync.round_exchange")  # the exchange's lines, under the one name they had
@@ -52,7 +50,7 @@ def report_round(
     started: float,
 ) -> None:
     """Count and say what the round left out: our fragment (and why), and the slots that missed it."""
-    me, live = fid.replica, ex.live()
+    me, live = fid.replica, ex.reader.slots()
     if settled is None:
         log.warning(
             "run %s stage %d round %d fragment %d: %s; the round applies nothing",

@@ -23,6 +23,12 @@ Bounded influence of one replica (`AggregationSettings.robust`, DESIGN section 1
                        b_i = min(ceil(trim * n_i), floor((n_i - 1) / 2)) smallest and largest and average
                        the rest (arXiv 1803.01498): with trim 0.25 the median of 3, the middle two of 4.
 
+Weights (issue 22: the tokens each contribution trained on, w_j): the averages become
+sum_j w_j Delta_j / sum_j w_j (per coordinate: over the w_j of the replicas that sent i), and the trimmed
+mean still trims by count, then averages the kept values weighted, so a heavy contribution cannot buy its
+way past the trim. Equal weights give the unweighted averages bit for bit. Not wired to the exchange yet:
+the fragments do not carry their token counts.
+
 "clip_median" = clamp + clip, then `aggregation`'s average; "trimmed" (the default) = clamp + clip +
 agreement screen + trimmed mean; "none" = the screen and `aggregation`'s average only. Medians are lower
 medians (the ((n-1)//2)-th smallest): with one hostile replica among 3 or 4 the scale is an honest
@@ -60,6 +66,8 @@ from protocol.sync_settings import AggregationSettings
 
 Contributions = Mapping[int, Sequence[torch.Tensor]]
 """Replica id -> that replica's decoded pseudo-gradient, one dense tensor per parameter."""
+Weights = Mapping[int, float]
+"""Replica id -> its contribution's weight in the average (`sync.weighting`: the tokens it trained on)."""
 
 F32_MAX = float(np.finfo(np.float32).max)
 WEISZFELD_STEPS = 64
@@ -340,19 +348,50 @@ def _sum(ordered: list[tuple[int, Sequence[torch.Tensor]]]) -> list[torch.Tensor
     return acc
 
 
-def mean_over_arrivals(contribs: Contributions) -> list[torch.Tensor]:
-    """(1/|A|) sum_j Delta_j over the contributions given (arXiv 2508.15706)."""
+def _equal(ordered: list[tuple[int, Sequence[torch.Tensor]]], weights: Weights | None) -> bool:
+    """No weights, or the same weight for every contribution: the unweighted averages, bit for bit."""
+    return weights is None or len({weights[j] for j, _ in ordered}) <= 1
+
+
+def _weighted_sum(
+    ordered: list[tuple[int, Sequence[torch.Tensor]]], weights: Weights
+) -> tuple[list[torch.Tensor], list[torch.Tensor]]:
+    """(sum_j w_j Delta_j, sum_j w_j [Delta_j != 0]) per tensor, float64, in replica order."""
+    acc = [torch.zeros(t.shape, dtype=torch.float64) for t in ordered[0][1]]
+    mass = [torch.zeros(t.shape, dtype=torch.float64) for t in ordered[0][1]]
+    for j, ts in ordered:
+        for a, m, t in zip(acc, mass, ts, strict=True):
+            a += t.double() * weights[j]
+            m += (t != 0).double() * weights[j]
+    return acc, mass
+
+
+def mean_over_arrivals(contribs: Contributions, weights: Weights | None = None) -> list[torch.Tensor]:
+    """(1/|A|) sum_j Delta_j over the contributions given (arXiv 2508.15706); with weights w (the tokens
+    each trained on), sum_j w_j Delta_j / sum_j w_j."""
     ordered = _ordered(contribs)
     if not ordered:
         raise ValueError("mean_over_arrivals: no contributions")
-    return [a / len(ordered) for a in _sum(ordered)]
+    if _equal(ordered, weights):
+        return [a / len(ordered) for a in _sum(ordered)]
+    assert weights is not None
+    acc, _ = _weighted_sum(ordered, weights)
+    total = sum(weights[j] for j, _ in ordered)
+    return [(a / total).float() for a in acc]
 
 
-def per_coordinate_mean(contribs: Contributions) -> list[torch.Tensor]:
-    """sum_j Delta_j[i] / #{j : Delta_j[i] != 0} per coordinate, 0 where no contribution is nonzero."""
+def per_coordinate_mean(contribs: Contributions, weights: Weights | None = None) -> list[torch.Tensor]:
+    """sum_j Delta_j[i] / #{j : Delta_j[i] != 0} per coordinate, 0 where no contribution is nonzero;
+    with weights, sum_j w_j Delta_j[i] / sum_{j : Delta_j[i] != 0} w_j."""
     ordered = _ordered(contribs)
     if not ordered:
         raise ValueError("per_coordinate_mean: no contributions")
+    if not _equal(ordered, weights):
+        assert weights is not None
+        acc64, mass = _weighted_sum(ordered, weights)
+        return [
+            torch.where(m > 0, a / m.clamp_min(1e-300), 0.0).float() for a, m in zip(acc64, mass, strict=True)
+        ]
     acc = _sum(ordered)
     counts = [torch.zeros_like(a) for a in acc]
     for _, ts in ordered:
@@ -361,46 +400,66 @@ def per_coordinate_mean(contribs: Contributions) -> list[torch.Tensor]:
     return [a / c.clamp_min(1) for a, c in zip(acc, counts, strict=True)]
 
 
-def _trimmed_block(X: torch.Tensor, trim: float, per_coordinate: bool) -> torch.Tensor:
-    """Trimmed mean of the columns of X (n, m) float32: float32 (m,)."""
+def _trimmed_block(
+    X: torch.Tensor, trim: float, per_coordinate: bool, w: torch.Tensor | None
+) -> torch.Tensor:
+    """Trimmed mean of the columns of X (n, m) float32: float32 (m,). w (n,) float64: each row's weight
+    in the average of what is kept (None: equal)."""
     n, m = X.shape
     sent = X != 0 if per_coordinate else torch.ones_like(X, dtype=torch.bool)  # (n, m)
     count = sent.sum(0)  # (m,) n_i
     b = torch.minimum(torch.ceil(count.double() * trim).long(), (count - 1).clamp_min(0) // 2)  # (m,)
     acc = torch.zeros(m, dtype=torch.float64)
+    mass = torch.zeros(m, dtype=torch.float64)
     for p in range(n):  # untrimmed columns: float64 sum in replica order
-        acc += torch.where(sent[p], X[p].double(), 0.0)
+        wp = 1.0 if w is None else float(w[p])
+        acc += torch.where(sent[p], X[p].double() * wp, 0.0)
+        mass += sent[p].double() * wp
     cols = torch.nonzero(b > 0).reshape(-1)  # (m_t,) columns where something is trimmed
     if len(cols):
-        Y = torch.where(sent[:, cols], X[:, cols], math.inf).sort(dim=0).values  # (n, m_t) sent values first
+        Y, order = torch.where(sent[:, cols], X[:, cols], math.inf).sort(dim=0, stable=True)  # sent first
+        W = torch.ones_like(Y, dtype=torch.float64) if w is None else w[order]  # (n, m_t) weights, sorted
         bt, ct = b[cols], count[cols]
         part = torch.zeros(len(cols), dtype=torch.float64)
+        part_mass = torch.zeros(len(cols), dtype=torch.float64)
         for p in range(n):  # float64 sum in ascending position order of the kept middle
             keep = (bt <= p) & (p < ct - bt)
-            part += torch.where(keep, Y[p].double(), 0.0)
-        acc[cols] = part
-    kept = (count - 2 * b).clamp_min(1)
-    return (acc / kept).float()
+            part += torch.where(keep, Y[p].double() * W[p], 0.0)
+            part_mass += torch.where(keep, W[p], 0.0)
+        acc[cols], mass[cols] = part, part_mass
+    if w is None:
+        return (acc / (count - 2 * b).clamp_min(1)).float()
+    return torch.where(mass > 0, acc / mass.clamp_min(1e-300), 0.0).float()
 
 
 def trimmed_mean(
-    contribs: Contributions, trim: float = 0.25, *, per_coordinate: bool = True
+    contribs: Contributions,
+    trim: float = 0.25,
+    *,
+    per_coordinate: bool = True,
+    weights: Weights | None = None,
 ) -> list[torch.Tensor]:
     """Coordinate-wise trimmed mean: of the n_i values at coordinate i (the nonzero ones if
     `per_coordinate`, else all |A|), drop the b_i = min(ceil(trim * n_i), floor((n_i - 1) / 2)) smallest
-    and largest and average the rest (Yin et al. 2018, arXiv 1803.01498); 0 where nothing was sent."""
+    and largest and average the rest (Yin et al. 2018, arXiv 1803.01498); 0 where nothing was sent. With
+    weights the trim still counts values (a heavy contribution cannot buy its way past it) and the rest
+    are averaged weighted: sum_kept w_j Delta_j[i] / sum_kept w_j."""
     ordered = _ordered(contribs)
     if not ordered:
         raise ValueError("trimmed_mean: no contributions")
     if not 0 <= trim < 0.5:
         raise ValueError(f"trimmed_mean: trim={trim!r} must be in [0, 0.5)")
+    w = None
+    if not _equal(ordered, weights):
+        assert weights is not None
+        w = torch.tensor([float(weights[j]) for j, _ in ordered], dtype=torch.float64)
     out = []
     for i, first in enumerate(ordered[0][1]):
         flat = [ts[i].detach().reshape(-1).float() for _, ts in ordered]
         res = torch.empty(first.numel(), dtype=torch.float32)
         for a in range(0, first.numel(), _BLOCK):
             X = torch.stack([f[a : a + _BLOCK] for f in flat])  # (n, m)
-            res[a : a + X.shape[1]] = _trimmed_block(X, trim, per_coordinate)
+            res[a : a + X.shape[1]] = _trimmed_block(X, trim, per_coordinate, w)
         out.append(res.view(first.shape))
     return out
 
@@ -409,10 +468,11 @@ def aggregate(
     contribs: Contributions,
     cfg: AggregationSettings = AggregationSettings(),  # noqa: B008  (frozen, so a shared default is safe)
     shapes: Sequence[Sequence[int]] | None = None,
+    weights: Weights | None = None,
 ) -> Aggregate:
     """screen -> (robust) clamp -> median-norm clip -> (trimmed) agreement screen -> mean or trimmed
-    mean, as `cfg` says. Zeros (and `used == ()`) when every contribution is rejected; the caller then
-    skips the outer step."""
+    mean, as `cfg` says; the averages weigh each contribution by `weights` (None: equally). Zeros (and
+    `used == ()`) when every contribution is rejected; the caller then skips the outer step."""
     # 0 = no absolute bound
     ok, rejected = screen(contribs, shapes, max_abs=cfg.max_abs or None, max_norm=cfg.max_norm or None)
     if shapes is None:
@@ -437,9 +497,9 @@ def aggregate(
             return Aggregate(tensors=zeros, used=(), rejected=tuple(rejected))
     per_coordinate = cfg.aggregation == "per_coordinate"
     if rule == "trimmed":
-        mean = trimmed_mean(ok, cfg.trim, per_coordinate=per_coordinate)
+        mean = trimmed_mean(ok, cfg.trim, per_coordinate=per_coordinate, weights=weights)
     else:
-        mean = per_coordinate_mean(ok) if per_coordinate else mean_over_arrivals(ok)
+        mean = per_coordinate_mean(ok, weights) if per_coordinate else mean_over_arrivals(ok, weights)
     return Aggregate(
         tensors=mean, used=tuple(sorted(ok)), rejected=tuple(rejected), clip=factors, clamped=clamped
     )
@@ -450,6 +510,7 @@ __all__ = [
     "Aggregate",
     "Contributions",
     "Rejection",
+    "Weights",
     "aggregate",
     "agreement_screen",
     "clamp_bound",

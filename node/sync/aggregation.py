@@ -67,7 +67,7 @@ from protocol.sync_settings import AggregationSettings
 Contributions = Mapping[int, Sequence[torch.Tensor]]
 """Replica id -> that replica's decoded pseudo-gradient, one dense tensor per parameter."""
 Weights = Mapping[int, float]
-"""Replica id -> its contribution's weight in the average (`sync.weighting`: the tokens it trained on)."""
+"""Replica id -> its contribution's weight in the average (issue 22: the tokens it trained on)."""
 
 F32_MAX = float(np.finfo(np.float32).max)
 WEISZFELD_STEPS = 64
@@ -410,25 +410,34 @@ def _trimmed_block(
     count = sent.sum(0)  # (m,) n_i
     b = torch.minimum(torch.ceil(count.double() * trim).long(), (count - 1).clamp_min(0) // 2)  # (m,)
     acc = torch.zeros(m, dtype=torch.float64)
-    mass = torch.zeros(m, dtype=torch.float64)
-    for p in range(n):  # untrimmed columns: float64 sum in replica order
-        wp = 1.0 if w is None else float(w[p])
-        acc += torch.where(sent[p], X[p].double() * wp, 0.0)
-        mass += sent[p].double() * wp
-    cols = torch.nonzero(b > 0).reshape(-1)  # (m_t,) columns where something is trimmed
-    if len(cols):
-        Y, order = torch.where(sent[:, cols], X[:, cols], math.inf).sort(dim=0, stable=True)  # sent first
-        W = torch.ones_like(Y, dtype=torch.float64) if w is None else w[order]  # (n, m_t) weights, sorted
+    if w is None:  # the default path: no weights, nothing more than the plain trimmed mean computes
+        for p in range(n):  # untrimmed columns: float64 sum in replica order
+            acc += torch.where(sent[p], X[p].double(), 0.0)
+        cols = torch.nonzero(b > 0).reshape(-1)  # (m_t,) columns where something is trimmed
+        if len(cols):
+            Y = torch.where(sent[:, cols], X[:, cols], math.inf).sort(dim=0).values  # (n, m_t) sent first
+            bt, ct = b[cols], count[cols]
+            part = torch.zeros(len(cols), dtype=torch.float64)
+            for p in range(n):  # float64 sum in ascending position order of the kept middle
+                part += torch.where((bt <= p) & (p < ct - bt), Y[p].double(), 0.0)
+            acc[cols] = part
+        return (acc / (count - 2 * b).clamp_min(1)).float()
+    W = torch.where(sent, w[:, None], 0.0)  # (n, m) each sent value's weight
+    for p in range(n):
+        acc += torch.where(sent[p], X[p].double() * W[p], 0.0)
+    mass = W.sum(0)
+    cols = torch.nonzero(b > 0).reshape(-1)
+    if len(cols):  # the same trim by count; stable, so ties keep replica order (and weights) everywhere
+        Y, order = torch.where(sent[:, cols], X[:, cols], math.inf).sort(dim=0, stable=True)
+        Ws = W[:, cols].gather(0, order)  # (n, m_t) weights in sorted order
         bt, ct = b[cols], count[cols]
         part = torch.zeros(len(cols), dtype=torch.float64)
         part_mass = torch.zeros(len(cols), dtype=torch.float64)
-        for p in range(n):  # float64 sum in ascending position order of the kept middle
+        for p in range(n):
             keep = (bt <= p) & (p < ct - bt)
-            part += torch.where(keep, Y[p].double() * W[p], 0.0)
-            part_mass += torch.where(keep, W[p], 0.0)
+            part += torch.where(keep, Y[p].double() * Ws[p], 0.0)
+            part_mass += torch.where(keep, Ws[p], 0.0)
         acc[cols], mass[cols] = part, part_mass
-    if w is None:
-        return (acc / (count - 2 * b).clamp_min(1)).float()
     return torch.where(mass > 0, acc / mass.clamp_min(1e-300), 0.0).float()
 
 

@@ -68,7 +68,7 @@ def memory_refusal(a: Assignment, device: torch.device, free_bytes: int) -> str 
     memory (protocol/memory.py) estimated from the spec in the precision this node resolves, before
     anything is allocated."""
     precision = resolve_precision(a.spec.train.precision, device)
-    return fits(stage_memory(a.spec, a.stage, precision), free_bytes)
+    return fits(stage_memory(a.spec, a.stage, precision, a.replica), free_bytes)
 
 
 def _same_slot(a: Assignment, b: Assignment) -> bool:

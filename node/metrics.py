@@ -147,6 +147,11 @@ def _assignment_families(live: WorkerMetrics) -> Iterable[Metric]:
     tps = GaugeMetricFamily(
         "crucible_tokens_per_second", "training throughput of this stage", labels=_RUN_LABELS
     )
+    weights = GaugeMetricFamily(
+        "crucible_round_contribution_tokens",
+        "tokens each replica's contribution to the last applied round claimed (signed, bounded by its shape)",
+        labels=[*_RUN_LABELS, "contributor"],
+    )
     if live.run_id:
         lv = list(_labels(live))
         step.add_metric(lv, live.step)
@@ -156,7 +161,9 @@ def _assignment_families(live: WorkerMetrics) -> Iterable[Metric]:
         if live.validation_loss_bits_per_byte is not None:
             bpb.add_metric(lv, live.validation_loss_bits_per_byte)
         tps.add_metric(lv, live.tokens_per_s)
-    yield from (step, total, loss, bpb, tps)
+        for contributor, tokens in live.round_tokens.items():
+            weights.add_metric([*lv, contributor], tokens)
+    yield from (step, total, loss, bpb, tps, weights)
 
 
 def _counter_families(totals: dict[Labels, _Totals]) -> Iterable[Metric]:

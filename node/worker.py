@@ -83,6 +83,9 @@ class WorkerMetrics:
     fragments_not_uploaded: int = 0
     fragments_late_committed: int = 0
     fragments_late_expired: int = 0
+    round_tokens: dict[str, int] = field(default_factory=dict)
+    """Replica -> the tokens its contribution to the last round this stage applied claimed (signed, bounded
+    by its shape; late parts summed in): what sync.weighting = "tokens" weighs it by."""
     weights_sha256: str = ""
     anchor_round: int = -1
     """The last round whose consensus anchor this stage checkpointed, and its sha256 (every replica's
@@ -364,6 +367,7 @@ class StageWorker:
             timeout_s=spec.sync.timeout_s,
             quorum=spec.sync.quorum,
             max_late_rounds=spec.sync.max_late_rounds,
+            tokens_per_step=spec.tokens_per_step(a.replica),  # the weight its fragments claim
             cancelled=self._cancelled,  # a stop or reassignment ends a wait for a quorum
             local=local,
             checkpoints=self.checkpoints,
@@ -384,7 +388,7 @@ class StageWorker:
                 return reason
             batch = (
                 st.corpus.train_batch(
-                    spec.train.data_seed, a.replica, step, spec.train.batch_size, spec.model.seq_len
+                    spec.train.data_seed, a.replica, step, spec.batch_of(a.replica), spec.model.seq_len
                 )
                 if st.corpus
                 else None
@@ -394,7 +398,7 @@ class StageWorker:
                 st.opt,
                 spec.train,
                 step,
-                lambda: st.pipe.train_step(step, batch, spec.train.microbatches),  # noqa: B023
+                lambda: st.pipe.train_step(step, batch, spec.microbatches_of(a.replica)),  # noqa: B023
             )
             outcome = st.sync.step_done(step + 1)  # the round owner: outer sync, round end, checkpoint
             self._count_step(step + 1, stats, clock)
@@ -412,7 +416,7 @@ class StageWorker:
     def _count_step(self, done: int, stats: StepStats, clock: _Clock) -> None:
         """Progress after `done` inner steps: time, tokens, loss, tokens per second; a log line every 10 s."""
         m = self.m
-        tokens_per_step = self.spec.train.batch_size * self.spec.model.seq_len
+        tokens_per_step = self.spec.tokens_per_step(self.a.replica)
         m.step, m.compute_s, m.pipe_wait_s = done, m.compute_s + stats.compute_s, m.pipe_wait_s + stats.wait_s
         m.tokens += tokens_per_step
         if stats.loss is not None:  # nats per token
@@ -476,6 +480,7 @@ class StageWorker:
             sync.stats.late_committed,
             sync.stats.late_expired,
         )
+        m.round_tokens = {str(r): t for r, t in sorted(sync.stats.last_tokens.items())}
 
     def _report(self) -> None:
         import json

@@ -269,17 +269,19 @@ class StageMemory:
         return f"{self.total / GB:.{digits}f} GB ({inner})"
 
 
-def stage_memory(spec: RunSpec, stage: int, precision: str) -> StageMemory:
-    """Estimated peak memory of stage `stage` of `spec` trained in `precision` ("fp32" or "bf16").
+def stage_memory(spec: RunSpec, stage: int, precision: str, replica: int | None = None) -> StageMemory:
+    """Estimated peak memory of stage `stage` of `spec`'s `replica` (None: the most any replica's shape
+    needs) trained in `precision` ("fp32" or "bf16").
 
     Microbatch: b = train.batch_size / train.microbatches sequences of L = model.seq_len tokens; in flight:
-    `in_flight(S, stage, pipeline.extra_in_flight, M)`; outer state from [sync] (method, tau, P, H,
-    outer_momentum)."""
+    `in_flight(S, stage, pipeline.extra_in_flight, M)` with the replica's M (`RunSpec.microbatches_of`);
+    outer state from [sync] (method, tau, P, H, outer_momentum)."""
     _check_precision(precision)
     m, sync = spec.model, spec.sync
     params, matmul = _stage_params(spec, stage)
     start, end = spec.layer_ranges()[stage]
-    S, M = spec.stages, spec.train.microbatches
+    each = range(spec.replicas) if replica is None else [replica]
+    S, M = spec.stages, max(spec.microbatches_of(r) for r in each)
     alive = in_flight(S, stage, spec.pipeline.extra_in_flight, M)
     t = BYTES_PER_PARAM
     share = captured_share(sync.H, sync.P, sync.tau)
@@ -294,7 +296,7 @@ def stage_memory(spec: RunSpec, stage: int, precision: str) -> StageMemory:
         outer_state=round(params * outer_bytes_per_param(sync.method, sync.outer_momentum, share)),
         activations=activation_bytes(
             layers=end - start,
-            tokens=spec.train.batch_size // M * m.seq_len,
+            tokens=spec.train.batch_size // spec.train.microbatches * m.seq_len,  # every shape's microbatch
             d_model=m.d_model,
             d_ff=m.d_ff,
             vocab=m.vocab,

@@ -23,6 +23,8 @@ MAX_SEED = 2**63 - 1
 MAX_STEPS = 2**40
 """More inner steps than any run will take (a trillion), far below where counters overflow."""
 MAX_LATE_ROUNDS = 8
+MAX_ROUND_TOKENS = 1 << 48
+"""Tokens one fragment may claim (protocol/codecs/sparseloco_format.py MAX_TOKENS): a round must fit."""
 """The most rounds late a fragment may be committed: each round keeps that many earlier rounds' cutoffs."""
 
 
@@ -281,6 +283,22 @@ class PipelineSpec:
 
 
 @dataclass(kw_only=True, frozen=True)
+class ReplicaShape:
+    """How some replicas differ from the run's default shape (a `[[shapes]]` table of run.toml)."""
+
+    replicas: list[int]
+    """The replicas (0..R-1) of this shape; each in at most one table."""
+    microbatches: int
+    """Microbatches per inner step of these replicas, of the run's microbatch size
+    (train.batch_size / train.microbatches sequences): their batch is microbatches x that."""
+
+    def __post_init__(self) -> None:
+        check_range("shapes.microbatches", self.microbatches, 1, 1 << 16)
+        if not self.replicas:
+            raise ValueError("a [[shapes]] table needs replicas = [...] (example: replicas = [2, 3])")
+
+
+@dataclass(kw_only=True, frozen=True)
 class RunSpec:
     """One training run: R replicas x S stages of one model."""
 
@@ -301,9 +319,18 @@ class RunSpec:
     layer_split_auto: bool = False
     """Let the coordinator choose layer_split at the run's first placement from the placed nodes'
     measured speed and memory (the slowest node of each stage over the replicas; then fixed)."""
+    shapes: list[ReplicaShape] = field(default_factory=list)
+    """Replicas whose shape differs from the run's ([[shapes]] tables; issue 22): today their microbatch
+    count, so a replica of faster GPUs runs a larger batch; the aggregate weighs each by its tokens."""
 
     def __post_init__(self) -> None:
         check_run_id("run_id", self.run_id)
+        listed = [r for sh in self.shapes for r in sh.replicas]
+        if len(set(listed)) != len(listed) or any(not 0 <= r < self.replicas for r in listed):
+            raise ValueError(
+                f"shapes name replicas {listed}: each must be in 0..replicas-1={self.replicas - 1} and in at "
+                "most one [[shapes]] table"
+            )
         if self.layer_split and (
             len(self.layer_split) != self.stages
             or min(self.layer_split) < 1
@@ -317,6 +344,13 @@ class RunSpec:
             raise ValueError(f"replicas={self.replicas} and stages={self.stages} must be positive")
         check_range("replicas", self.replicas, 1, 1 << 16)  # messages.MAX_REPLICAS
         check_range("eval_every", self.eval_every, 0, MAX_STEPS)
+        most = max([self.train.microbatches, *(sh.microbatches for sh in self.shapes)])
+        per_mb = self.train.batch_size // self.train.microbatches * self.model.seq_len
+        if self.sync.H * most * per_mb >= MAX_ROUND_TOKENS:
+            raise ValueError(
+                f"a round of sync.H={self.sync.H} steps of {most} microbatches of {per_mb} tokens is over "
+                f"{MAX_ROUND_TOKENS} tokens, more than a fragment can claim: lower sync.H or the batch"
+            )
         if not self.train.tokenizer and self.model.vocab < 256:
             raise ValueError(
                 f"model.vocab={self.model.vocab}: a byte-level run (no train.tokenizer) needs at least 256 "
@@ -336,6 +370,32 @@ class RunSpec:
     @property
     def rounds(self) -> int:
         return self.train.total_steps // self.sync.H
+
+    def microbatches_of(self, replica: int) -> int:
+        """M of `replica`: its [[shapes]] table's, else train.microbatches."""
+        for sh in self.shapes:
+            if replica in sh.replicas:
+                return sh.microbatches
+        return self.train.microbatches
+
+    def batch_of(self, replica: int) -> int:
+        """Sequences per inner step of `replica`: its M x the run's microbatch size."""
+        return self.microbatches_of(replica) * (self.train.batch_size // self.train.microbatches)
+
+    def tokens_per_step(self, replica: int) -> int:
+        """Tokens `replica` trains on per inner step: its batch x model.seq_len."""
+        return self.batch_of(replica) * self.model.seq_len
+
+    def round_tokens_bound(self, replica: int) -> int:
+        """The most tokens any fragment of `replica` trains on: one round's, H x its tokens per step."""
+        return self.sync.H * self.tokens_per_step(replica)
+
+    def fragment_tokens(self, replica: int, fragment: int, rnd: int) -> int:
+        """The tokens `replica`'s fragment `fragment` of round `rnd` trained on since its previous capture
+        (a round's worth, less in round 0: captured c_f steps in): what an honest fragment claims, and the
+        most a receiver accepts (node/sync/exchange.py `check_tokens`)."""
+        sch = self.sync.schedule()
+        return self.tokens_per_step(replica) * sch.steps_since_capture(sch.capture_step(fragment, rnd))
 
     def layer_ranges(self) -> list[tuple[int, int]]:
         """Contiguous [start, end) layer ranges per stage: `layer_split`, else as even as possible."""
@@ -433,6 +493,7 @@ __all__ = [
     "ModelSpec",
     "OuterLoopSettings",
     "PipelineSpec",
+    "ReplicaShape",
     "RunSpec",
     "SyncSpec",
     "TrainSpec",

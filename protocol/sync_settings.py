@@ -25,6 +25,7 @@ if TYPE_CHECKING:
     from protocol.codecs.sparseloco import SparseLoCoConfig
 
 Average = Literal["mean", "per_coordinate"]
+Weighting = Literal["tokens", "equal"]
 Robust = Literal["none", "clip_median", "trimmed"]
 ROBUST_RULES: tuple[Robust, ...] = ("none", "clip_median", "trimmed")
 MAX_RATIO = 1e6
@@ -83,6 +84,16 @@ class Schedule:
             if step > 0 and pos == c_f % self.H:
                 out.append((f, rnd - 1 if c_f == self.H else rnd))
         return out
+
+    def capture_step(self, f: int, rnd: int) -> int:
+        """The inner step after which fragment f of round `rnd` is captured: rnd H + c_f."""
+        return rnd * self.H + self.capture_offset(f)
+
+    def steps_since_capture(self, step: int) -> int:
+        """Inner steps a fragment captured after `step` trained on since its previous capture (H steps
+        earlier; the first one, from step 0): min(step, H). A replica resumed from a checkpoint holds the
+        weights of those steps, so it claims the same as one that never stopped."""
+        return min(step, self.H)
 
     def round_ended(self, step: int) -> int | None:
         """The round that inner step `step` (1-based) ends, or None: rounds end every H steps."""
@@ -175,6 +186,11 @@ class AggregationSettings:
     """Reject outright a contribution whose L2 norm exceeds this (0 = no absolute bound). The largest
     measured honest norm is 5.2 (bench_quality --quick, 0.5M parameters, dense DiLoCo included); a
     1e9-parameter fragment at 1.56% density with every value 1 would still be 4e3."""
+    weighting: Weighting = "tokens"
+    """How contributions are weighed in the average: "tokens" = by the tokens each replica trained on in
+    the round (signed in its fragment, bounded by its shape: node/sync/aggregation.py), so a replica of
+    twice the batch counts twice; "equal" = one weight per replica. Replicas of one shape weigh the same
+    either way (bit for bit)."""
 
     def __post_init__(self) -> None:
         check_finite(self)
@@ -182,6 +198,8 @@ class AggregationSettings:
             raise ValueError(
                 f"sync.aggregation={describe(self.aggregation)} must be 'mean' or 'per_coordinate'"
             )
+        if self.weighting not in ("tokens", "equal"):
+            raise ValueError(f"sync.weighting={describe(self.weighting)} must be 'tokens' or 'equal'")
         if self.robust not in ROBUST_RULES:
             raise ValueError(
                 f"sync.robust={describe(self.robust)} must be 'trimmed' (the default), 'clip_median' "
@@ -207,5 +225,6 @@ __all__ = [
     "CodecSettings",
     "Robust",
     "Schedule",
+    "Weighting",
     "check_schedule",
 ]

@@ -141,7 +141,14 @@ def bench_size(name: str, repeats: int, ident: Identity, cfg: SparseLoCoConfig, 
     xs = make_tensors(shapes)
     params = sum(math.prod(s) for s in shapes)
     gb = 4 * params / 1e9
-    where: dict = {"run_id": "bench-run-0001", "stage": 0, "fragment": 0, "round": 1, "replica": 0}
+    where: dict = {
+        "run_id": "bench-run-0001",
+        "stage": 0,
+        "fragment": 0,
+        "round": 1,
+        "replica": 0,
+        "tokens": 61440,
+    }
 
     def enc() -> bytes:
         cf = compress(xs, cfg)

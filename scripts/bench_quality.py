@@ -22,6 +22,11 @@ replica r draws batch (data_seed, r, step) in every arm, so every method sees th
                 (W = --late-window-s); committed in the next round's set (sync.max_late_rounds = 1) or
                 left to its sender's error feedback (max_late_rounds = 0, the behaviour before issue 22);
                 --late-method diloco runs them as the diloco arm (no error feedback: a dropped one is lost).
+- mixed_tokens / mixed_equal: SparseLoCo, where the last half of the replicas run twice the batch
+                (their [[shapes]] table has twice the microbatches, so they train on twice the tokens per
+                step); the aggregate weighs each contribution by the tokens it trained on
+                (sync.weighting = "tokens", the default) or alike ("equal"). `sparseloco` is the uniform
+                baseline (every replica at --batch).
 - stream_tau1/2: SparseLoCo with P strided fragments captured at c_f = (f+1) floor(H/P) and applied
                 tau = 1 or 2 inner steps later, keeping the local drift (arXiv 2501.18512). The run spec
                 needs tau < floor(H/P) (a cycle's fragments all applied before the next cycle's first
@@ -66,20 +71,33 @@ from node.device import resolve_precision
 from node.inner_step import inner_step, make_optimizer, prepare_stage
 from node.model import Stage, build_full_model, lm_loss
 from node.sync.aggregation import norm
-from node.sync.outer_sync import Encoding, FragmentCodec, FragmentId, OuterSync
+from node.sync.outer_sync import Contribution, Encoding, FragmentCodec, FragmentId, OuterSync
 from node.sync.sparseloco_sync import SparseLoCoCodec, make_sync_parts
 from protocol.codecs.sparseloco import CompressedFragment, SparseLoCoConfig, compress, decompress
 from protocol.codecs.sparseloco_format import decode_fragment, encode_fragment
 from protocol.identity import Identity
 from protocol.net.store import ObjectStore
-from protocol.runspec import ModelSpec, RunSpec, SyncSpec, TrainSpec
+from protocol.runspec import ModelSpec, ReplicaShape, RunSpec, SyncSpec, TrainSpec
 from scripts.bench_subspace_quality import bench_model
 from scripts.embedded_store import embedded_store
 
-ARMS = ("adamw", "diloco", "sparseloco", "stream_tau1", "stream_tau2", "late_commit", "late_drop")
+ARMS = (
+    "adamw",
+    "diloco",
+    "sparseloco",
+    "stream_tau1",
+    "stream_tau2",
+    "late_commit",
+    "late_drop",
+    "mixed_tokens",
+    "mixed_equal",
+)
 LATE_ARMS = {"late_commit": 1, "late_drop": 0}
 """The late arms and their sync.max_late_rounds: the last replica's fragment of every other round reaches
 the store after that round's deadline; committed in the next round's set, or dropped (error feedback)."""
+MIXED_ARMS = {"mixed_tokens": "tokens", "mixed_equal": "equal"}
+"""The mixed-batch arms and their sync.weighting: the last half of the replicas run twice the batch (a
+[[shapes]] table of twice the microbatches); the aggregate weighs them by their tokens, or alike."""
 ATTACKS = ("x100", "flip", "floatmax", "reversed", "orthogonal")
 COLLUDING = ("reversed", "orthogonal")
 """Attacks built from the round's honest contributions (`HonestBoard`), not from the attacker's own alone."""
@@ -226,9 +244,9 @@ class PostingCodec(SparseLoCoCodec):
         super().__init__(identity, cfg, device_path=False)
         self.board = board
 
-    def encode(self, fid: FragmentId, delta: list[torch.Tensor]) -> Encoding:
-        data, own = super().encode(fid, delta)()
-        self.board.post(fid, own)
+    def encode(self, fid: FragmentId, delta: list[torch.Tensor], tokens: int) -> Encoding:
+        data, own = super().encode(fid, delta, tokens)()
+        self.board.post(fid, own.tensors)
         return lambda: (data, own)
 
 
@@ -245,20 +263,20 @@ class ForgingCodec(SparseLoCoCodec):
         if attack.kind in COLLUDING and board is None:
             raise ValueError(f"attack {attack.kind!r} needs the round's honest contributions (a HonestBoard)")
 
-    def encode(self, fid: FragmentId, delta: list[torch.Tensor]) -> Encoding:
+    def encode(self, fid: FragmentId, delta: list[torch.Tensor], tokens: int) -> Encoding:
         mine = [d.detach().clone() for d in delta] if self.attack.kind == "orthogonal" else delta
-        honest = super().encode(fid, delta)
+        honest = super().encode(fid, delta, tokens)
         if not self.attack.active(fid.round):
             return honest
 
-        def forged() -> tuple[bytes, list[torch.Tensor]]:
+        def forged() -> tuple[bytes, Contribution]:
             data, _ = honest()
             header, cf, _ = decode_fragment(data)
             if self.board is not None and self.attack.kind in COLLUDING:
                 bad = forge_against(self.attack.kind, self.board.wait(fid), mine, self.cfg)
             else:
                 bad = forge(cf, self.attack.kind)
-            return encode_fragment(self.identity, header, bad), decompress(bad)
+            return encode_fragment(self.identity, header, bad), Contribution(decompress(bad), header.tokens)
 
         return forged
 
@@ -282,12 +300,12 @@ class LateCodec:
     def max_fragment_bytes(self) -> int:
         return self.codec.max_fragment_bytes
 
-    def encode(self, fid: FragmentId, delta: list[torch.Tensor]) -> Encoding:
-        encoding = self.codec.encode(fid, delta)
+    def encode(self, fid: FragmentId, delta: list[torch.Tensor], tokens: int) -> Encoding:
+        encoding = self.codec.encode(fid, delta, tokens)
         if fid.round % 2 == 0:
             return encoding
 
-        def late() -> tuple[bytes, list[torch.Tensor]]:
+        def late() -> tuple[bytes, Contribution]:
             time.sleep(self.delay_s)
             return encoding()
 
@@ -342,7 +360,9 @@ def run_adamw(s: Setup, corpus: Corpus, val: list[torch.Tensor], log: logging.Lo
 
 
 def arm_spec(name: str, sync: SyncSpec, s: Setup) -> RunSpec:
-    """The run spec an outer arm trains under: R replicas of one stage holding the whole model."""
+    """The run spec an outer arm trains under: R replicas of one stage holding the whole model (in the
+    mixed arms the last half at twice the batch)."""
+    doubled = list(range(s.replicas // 2, s.replicas))
     return RunSpec(
         run_id=f"bench-{name.replace('_', '-')}-{int(time.time() * 1000) % 10**9}",
         replicas=s.replicas,
@@ -350,6 +370,9 @@ def arm_spec(name: str, sync: SyncSpec, s: Setup) -> RunSpec:
         model=s.model,
         train=s.train,
         sync=sync,
+        shapes=[ReplicaShape(replicas=doubled, microbatches=2 * s.train.microbatches)]
+        if name in MIXED_ARMS and doubled
+        else [],
     )
 
 
@@ -400,6 +423,7 @@ def run_outer(
                 timeout_s=sync.timeout_s,
                 poll_s=0.002,
                 max_late_rounds=sync.max_late_rounds,
+                tokens_per_step=spec.tokens_per_step(r),
             )
         )
         replicas.append((model, opt))
@@ -408,7 +432,9 @@ def run_outer(
     diverged_at = None
     for step in range(t.total_steps):
         losses = [
-            train_on(m, o, s, step, corpus.train_batch(t.data_seed, r, step, t.batch_size, s.model.seq_len))
+            train_on(
+                m, o, s, step, corpus.train_batch(t.data_seed, r, step, spec.batch_of(r), s.model.seq_len)
+            )
             for r, (m, o) in enumerate(replicas)
         ]
         if not all(math.isfinite(x) for x in losses):
@@ -496,8 +522,8 @@ def parser() -> argparse.ArgumentParser:
     )
     ap.add_argument(
         "--arms",
-        default=",".join(a for a in ARMS if a not in LATE_ARMS),
-        help=f"comma-separated subset of {','.join(ARMS)} (default: all but the late arms)",
+        default=",".join(a for a in ARMS if a not in LATE_ARMS and a not in MIXED_ARMS),
+        help=f"comma-separated subset of {','.join(ARMS)} (default: all but the late and mixed arms)",
     )
     ap.add_argument("--replicas", type=int, default=4, help="R simulated replicas (default 4)")
     ap.add_argument("--steps", type=int, default=1000, help="inner steps per replica (default 1000)")
@@ -574,7 +600,11 @@ def robust_settings(args: argparse.Namespace) -> dict[str, Any]:
 
 def arm_sync(name: str, args: argparse.Namespace) -> SyncSpec:
     """The sync settings of outer arm `name`; the spec's ValueError when it refuses them."""
-    late = {"timeout_s": args.late_window_s, "max_late_rounds": LATE_ARMS[name]} if name in LATE_ARMS else {}
+    late: dict[str, Any] = (
+        {"timeout_s": args.late_window_s, "max_late_rounds": LATE_ARMS[name]} if name in LATE_ARMS else {}
+    )
+    if name in MIXED_ARMS:
+        late["weighting"] = MIXED_ARMS[name]
     if name == "diloco" or (name in LATE_ARMS and args.late_method == "diloco"):
         return SyncSpec(
             method="diloco",
@@ -588,7 +618,7 @@ def arm_sync(name: str, args: argparse.Namespace) -> SyncSpec:
     tau = STREAM_TAU.get(name, 0)
     P = (
         1
-        if name == "sparseloco" or name in LATE_ARMS
+        if name == "sparseloco" or name in LATE_ARMS or name in MIXED_ARMS
         else stream_P(args.H, tau)
         if args.P is None
         else args.P
@@ -815,6 +845,8 @@ def main(argv: list[str] | None = None) -> int:
         "gap_tau2_vs_sparseloco": gap("stream_tau2", "sparseloco"),
         "gap_late_commit_vs_sparseloco": gap("late_commit", "sparseloco"),
         "gap_late_drop_vs_sparseloco": gap("late_drop", "sparseloco"),
+        "gap_mixed_tokens_vs_sparseloco": gap("mixed_tokens", "sparseloco"),
+        "gap_mixed_equal_vs_sparseloco": gap("mixed_equal", "sparseloco"),
         "late_committed": {r.name: r.late_committed for r in results if r.name in LATE_ARMS},
         "sparseloco_beats_diloco": (by["sparseloco"].val_bpb < by["diloco"].val_bpb)
         if "sparseloco" in by and "diloco" in by

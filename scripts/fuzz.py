@@ -668,7 +668,9 @@ class SparseLoCoTarget(Target):
         self._seeds = []
         for i, (shapes, cfg) in enumerate(cases):
             cf = compress([torch.randn(s, generator=g) for s in shapes], cfg)
-            header = fmt.FragmentHeader.of(cf, run_id="r1", stage=1, fragment=i, round=7, replica=2)
+            header = fmt.FragmentHeader.of(
+                cf, run_id="r1", stage=1, fragment=i, round=7, replica=2, tokens=4096
+            )
             payload = fmt.pack_payload(cf)
             h = pack(to_dict(header))
             self._seeds.append((header, h, payload, self._frame(h, payload)))
@@ -750,10 +752,13 @@ class DenseTarget(Target):
         self._seeds = []
         for shapes in cases:
             tensors = [torch.randn(s, generator=g) for s in shapes]
-            wire = encode_dense(self.identity, self.header, tensors)
+            wire = encode_dense(self.identity, self.header, tensors, 4096)
             flat = torch.cat([t.reshape(-1) for t in tensors]) if tensors else torch.zeros(0)
             body = DenseFragment(
-                shapes=[list(s) for s in shapes], data=flat.numpy().astype("<f4").tobytes(), **self.header
+                shapes=[list(s) for s in shapes],
+                data=flat.numpy().astype("<f4").tobytes(),
+                tokens=4096,
+                **self.header,
             )
             seed = EnvelopeSeed(self.identity, "DenseFragment", to_dict(body), None, wire)
             self._seeds.append((seed, [torch.Size(s) for s in shapes]))

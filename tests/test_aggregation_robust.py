@@ -8,6 +8,7 @@ values x100, every value sign-flipped (normal size), and values near float max.
 from __future__ import annotations
 
 import itertools
+from collections.abc import Callable
 from pathlib import Path
 
 import pytest
@@ -24,6 +25,7 @@ from node.sync.aggregation import (
     norm,
     trimmed_mean,
 )
+from node.sync.outer_sync import Aggregator
 from node.sync.sparseloco_sync import make_sync_parts
 from protocol.codecs.sparseloco import SparseLoCoConfig, compress, decompress
 from protocol.identity import Identity
@@ -84,9 +86,14 @@ def test_default_bounds_each_attack_and_undefended_it_moves_the_aggregate(kind: 
         assert [r.replica for r in got.rejected] == [3] and "direction disagrees" in got.rejected[0].reason
 
 
+def equal_weights(agg: Aggregator) -> Callable[[dict[int, list[torch.Tensor]]], list[torch.Tensor]]:
+    """The run's aggregator over replicas of one shape (every contribution claims the same tokens)."""
+    return lambda c: agg(c, dict.fromkeys(c, 4096.0))
+
+
 def test_the_default_spec_bounds_one_x100_contribution() -> None:
     """Fails on the old default (no clip: the aggregate's norm was about 45x the honest one's)."""
-    agg = make_sync_parts(RunSpec(run_id="t"), Identity.from_seed(b"\x01" * 32)).aggregate
+    agg = equal_weights(make_sync_parts(RunSpec(run_id="t"), Identity.from_seed(b"\x01" * 32)).aggregate)
     ref = agg(honest())
     for kind in ATTACKS:
         got = agg(attacked(kind))
@@ -218,7 +225,7 @@ def test_run_toml_sets_the_rule_and_the_old_field_is_refused(tmp_path: Path) -> 
 
 def test_absolute_bounds_from_the_spec_reject_outright() -> None:
     spec = RunSpec(run_id="t", sync=SyncSpec(max_abs=1e3))
-    agg = make_sync_parts(spec, Identity.from_seed(b"\x01" * 32)).aggregate
+    agg = equal_weights(make_sync_parts(spec, Identity.from_seed(b"\x01" * 32)).aggregate)
     ref = aggregate(honest()).tensors
     got = agg(attacked("floatmax"))
     assert rel_err(got, aggregate({j: t for j, t in honest().items() if j != 3}).tensors) < 0.15

@@ -51,9 +51,9 @@ class RecordingCodec(SparseLoCoCodec):
         self.deltas: list[tuple[FragmentId, list[torch.Tensor]]] = []
         self.restored: list[list[torch.Tensor]] = []
 
-    def encode(self, fid, delta):  # type: ignore[no-untyped-def]
+    def encode(self, fid, delta, tokens):  # type: ignore[no-untyped-def]
         self.deltas.append((fid, [t.detach().clone() for t in delta]))
-        return super().encode(fid, delta)
+        return super().encode(fid, delta, tokens)
 
     def restore(self, fid, unsent):  # type: ignore[no-untyped-def]
         self.restored.append([t.clone() for t in unsent])
@@ -100,7 +100,7 @@ def replayed(codec: RecordingCodec, restore_round: int | None) -> dict[str, torc
     that round's contribution (as receivers decode it) restored: the error feedback the sender must end
     with."""
     fresh = SparseLoCoCodec(IDS[2], CFG)
-    sent = {fid.round: fresh.encode(fid, delta)()[1] for fid, delta in codec.deltas}
+    sent = {fid.round: fresh.encode(fid, delta, 1)()[1].tensors for fid, delta in codec.deltas}
     if restore_round is not None:
         fresh.restore(FragmentId("", 0, 0, restore_round, 2), sent[restore_round])
     return fresh.state()

@@ -95,7 +95,7 @@ def test_run_toml_errors_name_file_and_field(tmp_path) -> None:
 
 SYNC_KEYS = (
     "method H alpha outer_momentum P tau checkpoint_every timeout_s quorum max_late_rounds k chunk beta aggregation robust "
-    "max_norm_ratio max_abs_ratio min_agreement trim max_abs max_norm"
+    "max_norm_ratio max_abs_ratio min_agreement trim max_abs max_norm weighting"
 ).split()
 
 
@@ -106,8 +106,9 @@ def test_the_sync_section_is_flat_and_builds_its_components() -> None:
     encoded = msgpack.packb(to_dict(SyncSpec()), use_bin_type=True)
     # def89355c4f9a399 before issue 21 turned the absolute bounds on (max_abs 1e3, max_norm 1e5 by default);
     # fc61b811035a20e8 before it added sync.quorum (the round rule's q, node/sync/round_rule.py);
-    # 5475778bf32e4af7 before issue 22 added sync.max_late_rounds (late fragments committed, default 1)
-    assert hashlib.sha256(encoded).hexdigest()[:16] == "52e6137c9ce0015d"
+    # 5475778bf32e4af7 before issue 22 added sync.max_late_rounds (late fragments committed, default 1);
+    # 52e6137c9ce0015d before it added sync.weighting (contributions weighed by their tokens, default)
+    assert hashlib.sha256(encoded).hexdigest()[:16] == "d2879fb4cf2a15ce"
     s = SyncSpec(
         H=12, P=3, tau=2, k=16, chunk=256, beta=0.7, aggregation="mean", robust="clip_median", max_abs=5.0
     )

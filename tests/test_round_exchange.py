@@ -55,7 +55,7 @@ def put(ex: RoundExchange, fid: FragmentId) -> Exchanged:
     """Replica fid.replica's contribution: the value r + 1 + 10 x round everywhere, so the set shows who is
     in it, from which round."""
     delta = [torch.full((4,), float(fid.replica + 1 + 10 * fid.round))]
-    return ex.run(fid, ex.codec.encode(fid, delta), SHAPES)
+    return ex.run(fid, ex.codec.encode(fid, delta, 100 + 10 * fid.round), SHAPES)
 
 
 def together(exs: list[RoundExchange], run: str, rnd: int) -> list[Exchanged]:
@@ -116,6 +116,8 @@ def test_a_late_fragment_is_committed_in_the_next_round_by_every_replica(store: 
         got = list(pool.map(lambda r: put(exs[r], FragmentId(run, 0, 0, 1, r)), range(3)))
     assert all(values(g) == {0: 11.0, 1: 12.0, 2: 16.0} for g in got)
     assert all(g.late == {2: [0]} and g.unsent == [] for g in got)
+    # its tokens are the two fragments' (100 + 110); it weighs as its larger part, not as both rounds
+    assert all(g.tokens == {0: 110, 1: 110, 2: 210} and g.weights == {0: 110, 1: 110, 2: 110} for g in got)
     assert all(ex.stats.late_committed == 1 and ex.stats.late_expired == 0 for ex in exs)
     assert exs[2].late.waiting == {}
 

@@ -57,7 +57,7 @@ from protocol.sync_settings import AggregationSettings
 
 ALICE = Identity.from_seed(bytes(range(32)))
 MALLORY = Identity.from_seed(bytes(range(1, 33)))
-WHERE = {"run_id": "run-test", "stage": 1, "fragment": 2, "round": 7, "replica": 3}
+WHERE = {"run_id": "run-test", "stage": 1, "fragment": 2, "round": 7, "replica": 3, "tokens": 2048}
 FAST = settings(max_examples=40, deadline=None, suppress_health_check=[HealthCheck.too_slow])
 
 
@@ -345,7 +345,7 @@ def test_golden_wire_bytes() -> None:
     assert hashlib.sha256(data).hexdigest() == GOLDEN_SHA256, hashlib.sha256(data).hexdigest()
 
 
-GOLDEN_SHA256 = "f3eb489c7e16f8f362957861e6f4b84851cba6b44ca4682b0816397d5aa7be01"
+GOLDEN_SHA256 = "8e7c749e2099752ccbbd54541826046ed48834bc36fff45a316a128e41af73d4"
 
 
 def test_signed_roundtrip_trust_and_expect() -> None:
@@ -427,7 +427,7 @@ def test_rejections_raise_typed_errors(monkeypatch: pytest.MonkeyPatch) -> None:
         decode_fragment(seal_payload(ALICE, FragmentHeader(**huge), payload), max_params=10**13)
     # header: wrong codec version, garbage, a schema violation, shapes that do not fit the payload
     for hdr, exc, msg in [
-        ({"codec_version": 2}, FragmentVersionError, "codec version 2"),
+        ({"codec_version": 1}, FragmentVersionError, "codec version 1"),
         ({"k": 0}, FragmentError, "k=0"),
         ({"stage": "one"}, FragmentError, "stage: expected an integer"),
         # the payload no longer parses; which check notices first depends on the bytes

@@ -27,7 +27,7 @@ from protocol.codecs.sparseloco_format import FragmentError, FragmentHeader, dec
 from protocol.identity import Identity
 
 ALICE = Identity.from_seed(bytes(range(32)))
-WHERE = {"run_id": "run-test", "stage": 1, "fragment": 2, "round": 7, "replica": 3}
+WHERE = {"run_id": "run-test", "stage": 1, "fragment": 2, "round": 7, "replica": 3, "tokens": 2048}
 DEVICES = ["cpu"] + (["cuda"] if torch.cuda.is_available() else [])
 FAST = settings(max_examples=25, deadline=None, suppress_health_check=[HealthCheck.too_slow])
 # Edge tiles (100 x 70, 130 x 200), tail chunks (3-D, flat), 1-D and 0-D tensors sent dense.
@@ -337,7 +337,7 @@ def test_codec_imports_without_cryptography_or_node_dependencies() -> None:
         cfg = SparseLoCoConfig()
         cf = compress_device([torch.randn(130, 70), torch.randn(9)], cfg)
         cf2 = unpack_payload(pack_payload(cf), cf.shapes, cfg)
-        FragmentHeader.of(cf, run_id="r", stage=0, fragment=0, round=0, replica=0)
+        FragmentHeader.of(cf, run_id="r", stage=0, fragment=0, round=0, replica=0, tokens=1)
         assert all(torch.equal(a, b) for a, b in zip(decompress_to(cf, "cpu"), decompress_to(cf2, "cpu")))
         print("ok")
         """

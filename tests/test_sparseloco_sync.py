@@ -78,6 +78,8 @@ def make_replicas(
     stores: list[ObjectStore] | None = None,
     timeout_s: float = 15.0,
     codecs: list[SparseLoCoCodec] | None = None,
+    tokens_per_step: list[int] | None = None,
+    agg: AggregationSettings = AGG,
 ) -> tuple[str, list[OuterSync]]:
     """R replicas of the same initial parameters; `expected` (>= R) replicas are listed as stage peers."""
     run_id = f"run-{uuid.uuid4().hex[:8]}"
@@ -89,7 +91,8 @@ def make_replicas(
             codec=codecs[r]
             if codecs
             else SparseLoCoCodec(IDS[r], CFG, device_path=device_paths[r] if device_paths else None),
-            aggregate=make_aggregator(AGG),
+            aggregate=make_aggregator(agg),
+            tokens_per_step=tokens_per_step[r] if tokens_per_step else 1,
             run_id=run_id,
             stage=0,
             replica=r,
@@ -282,7 +285,7 @@ def test_bytes_per_round_match_the_ratio(store: ObjectStore, closer: list[OuterS
     want = 0.0  # dense fp32 bytes / ratio, per fragment, with the fragment's real header
     for f, idx in enumerate(syncs[0].fragments):
         fs = [torch.Size(shapes[i]) for i in idx]
-        header = codec.expected_header(FragmentId(run_id, 0, f, 0, 0), fs)
+        header = codec.expected_header(FragmentId(run_id, 0, f, 0, 0), fs, tokens=2)
         dense = 4 * sum(math.prod(s) for s in fs)
         want += dense / ratio([tuple(s) for s in fs], CFG, header=header)
     for s in syncs:
@@ -432,8 +435,10 @@ def test_streaming_applies_at_c_plus_tau_and_keeps_the_drift(
                 blob = stored_fragment(store, run_id, f, rnd, r)
                 assert blob is not None
                 fs = [syncs[0].params[i].shape for i in syncs[0].fragments[f]]
-                contribs[r] = SparseLoCoCodec(IDS[r], CFG).decode(
-                    FragmentId(run_id, 0, f, rnd, r), blob, fs, IDS[r].peer_id
+                contribs[r] = (
+                    SparseLoCoCodec(IDS[r], CFG)
+                    .decode(FragmentId(run_id, 0, f, rnd, r), blob, fs, IDS[r].peer_id)
+                    .tensors
                 )
             delta_bar = aggregate(contribs, AGG).tensors
             for r, s in enumerate(syncs):
@@ -459,12 +464,15 @@ def test_sync_spec_and_factory() -> None:
     assert type(dense.codec).__name__ == "DenseCodec" and dense.momentum == 0.9
     x = {0: [torch.tensor([1.0, 0.0])], 1: [torch.tensor([3.0, 2.0])]}
     bare = make_sync_parts(RunSpec(run_id="t", sync=SyncSpec(robust="none")), IDS[0])
-    assert bare.aggregate(x)[0].tolist() == [2.0, 2.0]  # per-coordinate: 2.0 is not diluted to 1.0
+    assert bare.aggregate(x, {0: 1.0, 1: 1.0})[0].tolist() == [
+        2.0,
+        2.0,
+    ]  # per-coordinate: 2.0 is not diluted to 1.0
     mean = make_sync_parts(RunSpec(run_id="t", sync=SyncSpec(aggregation="mean", robust="none")), IDS[0])
-    assert mean.aggregate(x)[0].tolist() == [2.0, 1.0]
+    assert mean.aggregate(x, {0: 1.0, 1: 1.0})[0].tolist() == [2.0, 1.0]
     # the default bounds one replica's influence: replica 1 is scaled to the (lower) median norm, |x_0| = 1
     assert SyncSpec().robust == "trimmed"
-    assert math.hypot(*parts.aggregate(x)[0].tolist()) < math.hypot(2.0, 2.0)
+    assert math.hypot(*parts.aggregate(x, {0: 1.0, 1: 1.0})[0].tolist()) < math.hypot(2.0, 2.0)
     for bad, what in [
         ({"chunk": 4000}, "perfect square"),
         ({"k": 0}, "sync.k"),

@@ -394,9 +394,11 @@ def _slots(swarm: Swarm, run_id: str) -> dict[tuple[int, int], int]:
 def test_sparseloco_bytes_per_round_and_corrupted_fragments_in_the_store(
     swarm: Swarm, tmp_path: Path
 ) -> None:
-    """SparseLoCo across 2 replicas x 2 stages, with garbage written into the store at replica 1's keys.
+    """SparseLoCo across 2 replicas x 2 stages, replica 1 at twice the batch (a [[shapes]] table, issue 22),
+    with garbage written into the store at replica 1's keys.
 
-    Every node uploads dense/ratio bytes per round (within 10%). The garbage (a flipped bit, a NaN scale
+    Each round's aggregate weighs each replica by the tokens it trained (signed in its fragments: H x its
+    batch x seq_len); both replicas end with the same consensus. Every node uploads dense/ratio bytes per round (within 10%). The garbage (a flipped bit, a NaN scale
     under a valid signature, a truncated fragment) is planted under replica 1's slot of a round before
     replica 1 gets there, at keys naming replica 1's signer (issue 10 finding 6: squatting; the truncated
     one at its primary key): it takes no slot, replica 1's own fragment lands beside it, every round uses
@@ -408,6 +410,7 @@ def test_sparseloco_bytes_per_round_and_corrupted_fragments_in_the_store(
             'method = "diloco"', 'method = "sparseloco"'
         )
         + "[pipeline]\nlink_k = [8]\n"
+        + "[[shapes]]\nreplicas = [1]\nmicrobatches = 4\n"  # replica 1: 4 microbatches of 2, not 2
     )
     spec = load_run_spec(toml)
     cfg = SparseLoCoConfig(chunk=spec.sync.chunk, k=spec.sync.k, beta=spec.sync.beta)
@@ -446,6 +449,11 @@ def test_sparseloco_bytes_per_round_and_corrupted_fragments_in_the_store(
         r0, r1 = by_slot[(0, st)], by_slot[(1, st)]
         assert r0["rounds"] == r1["rounds"] == rounds
         assert r0["weights_sha256"] == r1["weights_sha256"] != "", f"stage {st}: replicas disagree"
+        # the last round's weights: the tokens each replica trained in it, replica 1 twice replica 0
+        want_tokens = {str(r): H * spec.batch_of(r) * spec.model.seq_len for r in (0, 1)}
+        assert want_tokens["1"] == 2 * want_tokens["0"]
+        assert r0["round_tokens"] == r1["round_tokens"] == want_tokens, (r0["round_tokens"], want_tokens)
+        assert r1["tokens"] == 2 * r0["tokens"]
         for m in (r0, r1):  # nothing missing, nothing left out: the garbage took no slot
             assert (m["fragments_missing"], m["fragments_not_uploaded"]) == (0, 0)
             # each planted object is rejected at most once (a reader that finds the real fragment first
@@ -454,7 +462,9 @@ def test_sparseloco_bytes_per_round_and_corrupted_fragments_in_the_store(
         rejected_total += r0["fragments_rejected"] + r1["fragments_rejected"]
         # bytes uploaded per round vs dense fp32 / ratio (= the codec's wire size, header included)
         header = SparseLoCoCodec(signer[st], cfg).expected_header(
-            FragmentId(run_id, st, 0, 0, 0), [torch.Size(s) for s in shapes[st]]
+            FragmentId(run_id, st, 0, 0, 0),
+            [torch.Size(s) for s in shapes[st]],
+            tokens=spec.round_tokens_bound(0),
         )
         want = 4 * sum(math.prod(s) for s in shapes[st]) / ratio(shapes[st], cfg, header=header)
         for m in (r0, r1):

@@ -26,8 +26,9 @@ Bounded influence of one replica (`AggregationSettings.robust`, DESIGN section 1
 Weights (issue 22: the tokens each contribution trained on, w_j): the averages become
 sum_j w_j Delta_j / sum_j w_j (per coordinate: over the w_j of the replicas that sent i), and the trimmed
 mean still trims by count, then averages the kept values weighted, so a heavy contribution cannot buy its
-way past the trim. Equal weights give the unweighted averages bit for bit. Not wired to the exchange yet:
-the fragments do not carry their token counts.
+way past the trim. Equal weights give the unweighted averages bit for bit. The weights are the exchange's
+(node/sync/exchange.py `Contribution.weight`: the signed, bounded token claims) under
+`sync.weighting = "tokens"`.
 
 "clip_median" = clamp + clip, then `aggregation`'s average; "trimmed" (the default) = clamp + clip +
 agreement screen + trimmed mean; "none" = the screen and `aggregation`'s average only. Medians are lower

@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import torch
 
+from node.sync.exchange import Contribution, TokensBound, check_tokens
 from node.sync.outer_sync import Encoding, FragmentCodec, FragmentId
 from protocol.codecs.dense_fragment import MAX_DENSE_FRAGMENT_BYTES, decode_dense, encode_dense
 from protocol.identity import Identity
@@ -27,17 +28,21 @@ def fragment_header(fid: FragmentId) -> dict:
 class DenseCodec(FragmentCodec):
     """DiLoCo's dense fp32 pseudo-gradient, signed by the uploading node."""
 
-    def __init__(self, identity: Identity) -> None:
-        self.identity = identity
+    def __init__(self, identity: Identity, *, tokens_bound: TokensBound | None = None) -> None:
+        """tokens_bound: the most tokens a fragment may claim (`RunSpec.fragment_tokens`; None: any
+        positive count)."""
+        self.identity, self.tokens_bound = identity, tokens_bound
 
-    def encode(self, fid: FragmentId, delta: list[torch.Tensor]) -> Encoding:
+    def encode(self, fid: FragmentId, delta: list[torch.Tensor], tokens: int) -> Encoding:
         host = [d.detach().float().cpu() for d in delta]  # the whole pseudo-gradient crosses to the host
-        return lambda: (encode_dense(self.identity, fragment_header(fid), host), host)
+        return lambda: (
+            encode_dense(self.identity, fragment_header(fid), host, tokens),
+            Contribution(host, tokens),
+        )
 
-    def decode(
-        self, fid: FragmentId, data: bytes, shapes: list[torch.Size], signer: str
-    ) -> list[torch.Tensor]:
-        return decode_dense(data, fragment_header(fid), shapes, signer)
+    def decode(self, fid: FragmentId, data: bytes, shapes: list[torch.Size], signer: str) -> Contribution:
+        tensors, tokens = decode_dense(data, fragment_header(fid), shapes, signer)
+        return Contribution(tensors, check_tokens(fid, tokens, self.tokens_bound))
 
     @property
     def signer(self) -> str:

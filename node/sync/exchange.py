@@ -16,6 +16,28 @@ from typing import Protocol
 import torch
 
 from protocol.identity import Identity
+from protocol.schema import ProtocolError
+
+TokensBound = Callable[["FragmentId"], int]
+"""A fragment's (slot, fragment, round) -> the most tokens its replica's shape trained on for it
+(`RunSpec.fragment_tokens`: a round's, less in round 0)."""
+
+
+class TokenClaimError(ProtocolError):
+    """A fragment claims more tokens than its replica's shape can train on in a round (or none)."""
+
+
+def check_tokens(fid: FragmentId, tokens: int, bound: TokensBound | None) -> int:
+    """`tokens` if 1 <= tokens <= bound(fid) (no bound: any positive count); else TokenClaimError naming
+    the claim and the bound, so an oversized claim cannot buy weight."""
+    most = bound(fid) if bound is not None else tokens
+    if not 1 <= tokens <= most:
+        raise TokenClaimError(
+            f"replica {fid.replica}'s fragment {fid.fragment} of round {fid.round} claims {tokens} tokens; its "
+            f"shape trains at most {most} for it (steps since its previous capture x its batch x seq_len): a "
+            "forged count, or a node running another run spec"
+        )
+    return tokens
 
 
 class RoundAgreementError(RuntimeError):
@@ -31,23 +53,41 @@ class FragmentId:
     replica: int
 
 
-Encoding = Callable[[], tuple[bytes, list[torch.Tensor]]]
-"""The host half of an encode: () -> (signed wire bytes, the contribution exactly as receivers decode it,
-as float32 CPU tensors). OuterSync runs it on its I/O thread, so entropy coding and signing overlap training."""
+@dataclass(eq=False)
+class Contribution:
+    """One slot's decoded fragment: the tensors every receiver decodes (float32, on the CPU) and the tokens
+    its replica trained on for it (signed with it). `parts`: a late fragment summed with later ones
+    (node/sync/round_exchange.py): each part's tokens, `tokens` their sum. Compared by identity: the
+    exchange tells our own contribution from a copy of its bytes that way."""
+
+    tensors: list[torch.Tensor]
+    tokens: int
+    parts: tuple[int, ...] = ()
+
+    @property
+    def weight(self) -> float:
+        """Its weight in a token-weighted aggregate: its tokens, or for a sum of fragments of several rounds
+        its largest part's (the sum holds those rounds' updates already: weighing it by their total too
+        would count the late one twice). Each part is bounded, so the weight is."""
+        return float(max(self.parts) if self.parts else self.tokens)
+
+
+Encoding = Callable[[], tuple[bytes, Contribution]]
+"""The host half of an encode: () -> (signed wire bytes, the contribution exactly as receivers decode it).
+OuterSync runs it on its I/O thread, so entropy coding and signing overlap training."""
 
 
 class FragmentCodec(Protocol):
     """Turns a fragment's pseudo-gradient into signed wire bytes and back."""
 
-    def encode(self, fid: FragmentId, delta: list[torch.Tensor]) -> Encoding:
+    def encode(self, fid: FragmentId, delta: list[torch.Tensor], tokens: int) -> Encoding:
         """Run what must happen before training moves on (e.g. error feedback, on delta's device) and
-        return the rest as an `Encoding` for the I/O thread."""
+        return the rest as an `Encoding` for the I/O thread; `tokens`: what our replica trained on for it."""
         ...
 
-    def decode(
-        self, fid: FragmentId, data: bytes, shapes: list[torch.Size], signer: str
-    ) -> list[torch.Tensor]:
-        """Validate (signature by `signer`, header, shapes, finiteness) and decode; raise ProtocolError."""
+    def decode(self, fid: FragmentId, data: bytes, shapes: list[torch.Size], signer: str) -> Contribution:
+        """Validate (signature by `signer`, header, shapes, finiteness, a token claim the replica's shape
+        allows) and decode; raise ProtocolError."""
         ...
 
     def restore(self, fid: FragmentId, unsent: list[torch.Tensor]) -> None:
@@ -99,6 +139,11 @@ class SyncStats:
     late_expired: int = 0
     """Our fragments that no round's set took within `sync.max_late_rounds`: back to error feedback."""
     last_contributors: list[int] = field(default_factory=list)
+    last_tokens: dict[int, int] = field(default_factory=dict)
+    """Replica -> the tokens of its contribution to the last round applied."""
+    last_weights: dict[int, float] = field(default_factory=dict)
+    """Replica -> its `Contribution.weight` in the last round applied (what the aggregate weighs it by
+    under `sync.weighting = "tokens"`; ignored under "equal")."""
 
 
 @dataclass
@@ -113,6 +158,10 @@ class Exchanged:
     closed with this round): handed back to the codec at apply time."""
     late: dict[int, list[int]] = field(default_factory=dict)
     """Replica -> the earlier rounds whose fragments of it this round commits (in `contribs`)."""
+    tokens: dict[int, int] = field(default_factory=dict)
+    """Replica -> the tokens its contribution in `contribs` trained on (late parts included)."""
+    weights: dict[int, float] = field(default_factory=dict)
+    """Replica -> its `Contribution.weight`: what a token-weighted aggregate weighs it by."""
 
 
 class Exchange(Protocol):
@@ -128,8 +177,8 @@ class Exchange(Protocol):
     - the rule that decides the agreed set: `RoundExchange`'s is node/sync/round_rule.py's (the fragments
       in the store by the quorum's arrival + W, on the store's clock); another rule decides
       `Exchanged.contribs` its own way, and replicas apply whatever it says;
-    - per-contribution token counts: they belong with the set in `Exchanged` (keyed by replica, as
-      `contribs` and `late` are), for the aggregator to weigh; nothing produces them yet;
+    - per-contribution token counts travel in the signed fragment (`Contribution.tokens`) and come back in
+      `Exchanged.tokens` and `.weights`, keyed by replica as `contribs` is, for the aggregator to weigh;
     - fragments keyed by layer groups rather than stages: `FragmentId` is the only key an exchange names
       its objects by (store keys, signed headers); the outer loop builds it and reads back only `fragment`;
     - a pairwise exchange: another implementation of this interface, with the signers of the stage's
@@ -159,6 +208,7 @@ class Exchange(Protocol):
 
 
 __all__ = [
+    "Contribution",
     "Encoding",
     "Exchange",
     "Exchanged",
@@ -166,4 +216,7 @@ __all__ = [
     "FragmentId",
     "RoundAgreementError",
     "SyncStats",
+    "TokenClaimError",
+    "TokensBound",
+    "check_tokens",
 ]

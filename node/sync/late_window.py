@@ -19,15 +19,15 @@ from collections.abc import Callable
 
 import torch
 
-from node.sync.exchange import FragmentId
+from node.sync.exchange import Contribution, FragmentId
 from node.sync.round_rule import STORE_MARGIN_S, Decision, late_entries
 
 log = logging.getLogger("node.sync.round_exchange")  # the exchange's lines, under the one name they had
 
-Ours = tuple[list[torch.Tensor], str]
+Ours = tuple[Contribution, str]
 """Our contribution as receivers decode it, and the sha256 of its wire bytes."""
 FirstValid = Callable[
-    [FragmentId, set[int], Ours | None], tuple[dict[int, tuple[int, list[torch.Tensor]]], int] | None
+    [FragmentId, set[int], Ours | None], tuple[dict[int, tuple[int, Contribution]], int] | None
 ]
 """(round's fid, slots, ours in that round) -> (slot -> (t_j, its first valid fragment decoded), the LIST's
 store clock), or None if the store could not be read now."""
@@ -43,9 +43,9 @@ CUTOFFS = "late_cutoffs"
 class Committed:
     """What a round's set takes from earlier rounds, the same on every replica."""
 
-    late: dict[int, list[tuple[int, list[torch.Tensor]]]]
+    late: dict[int, list[tuple[int, Contribution]]]
     """Slot -> [(earlier round, its fragment decoded)], oldest first."""
-    restore: list[tuple[int, list[torch.Tensor]]]
+    restore: list[tuple[int, Contribution]]
     """(round, ours) whose window closed with this round uncommitted: back to error feedback."""
     ours_committed: list[int]
     """Rounds of ours this round commits."""
@@ -163,4 +163,4 @@ class LateWindow:
                 self.cutoffs[int(f), int(r)] = int(c)
 
 
-__all__ = ["CUTOFFS", "Committed", "LateWindow"]
+__all__ = ["CUTOFFS", "Committed", "LateWindow", "Ours"]

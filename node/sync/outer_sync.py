@@ -31,6 +31,7 @@ import torch
 
 from node.sync.aggregation import mean_over_arrivals
 from node.sync.exchange import (
+    Contribution,
     Encoding,
     Exchange,
     Exchanged,
@@ -47,7 +48,8 @@ from protocol.sync_settings import Schedule
 
 log = logging.getLogger(__name__)
 
-Aggregator = Callable[[dict[int, list[torch.Tensor]]], list[torch.Tensor]]
+Aggregator = Callable[[dict[int, list[torch.Tensor]], dict[int, float]], list[torch.Tensor]]
+"""(replica -> contribution, replica -> its weight, node/sync/exchange.py `Contribution.weight`) -> Delta_bar."""
 
 
 class Confinement(Protocol):
@@ -134,6 +136,7 @@ class OuterSync:
         quorum: int = 0,
         cancelled: Callable[[], bool] = lambda: False,
         max_late_rounds: int = 1,
+        tokens_per_step: int = 1,
     ) -> None:
         """schedule: when each fragment is captured and applied (`SyncSpec.schedule()`). poll_s,
         poll_max_s: the first and the longest wait between two polls of the store for the
@@ -143,14 +146,16 @@ class OuterSync:
         are projected onto it (None: none are). quorum: how many replicas' fragments a round needs
         (node/sync/round_rule.py; 0: a majority of the stage's live replicas). cancelled: the worker is
         stopping (a round still waiting for its quorum gives up). max_late_rounds: how many rounds late a
-        fragment may still be committed (node/sync/late_window.py; 0: never)."""
+        fragment may still be committed (node/sync/late_window.py; 0: never). tokens_per_step: what this
+        replica trains on per inner step (`RunSpec.tokens_per_step`): a fragment's contribution claims it
+        times the steps since that fragment's previous capture."""
         if not 0 < poll_s <= poll_max_s:
             raise ValueError(f"need 0 < poll_s <= poll_max_s, got poll_s={poll_s} poll_max_s={poll_max_s}")
         self.params = params
         self.store, self.codec = store, codec
         self.run_id, self.stage, self.replica = run_id, stage, replica
         self.schedule, self.alpha, self.momentum = schedule, alpha, momentum
-        self.aggregate = aggregate
+        self.aggregate, self.tokens_per_step = aggregate, tokens_per_step
         self.local, self.checkpoints, self.checkpoint_every = local, checkpoints, checkpoint_every
         self.confine = confine
         # strided fragments spread big and small tensors evenly: param i belongs to fragment i % P
@@ -300,7 +305,9 @@ class OuterSync:
             theta = [self.params[i].detach().clone() for i in idx]
             delta = [self.anchor[i] - t for i, t in zip(idx, theta, strict=True)]  # Delta = anchor - local
         fid = FragmentId(self.run_id, self.stage, f, rnd, self.replica)
-        encoding = self.codec.encode(fid, delta)
+        encoding = self.codec.encode(
+            fid, delta, self.tokens_per_step * self.schedule.steps_since_capture(step)
+        )
         shapes = [self.params[i].shape for i in idx]
         fut = self._io.submit(self.exchange.run, fid, encoding, shapes)
         self._pending.append(_Pending(fid, theta, fut, step + self.schedule.tau))
@@ -317,10 +324,11 @@ class OuterSync:
             self.stats.wait_s += time.perf_counter() - t
             self.stats.rounds_applied += 1
             self.stats.last_contributors = sorted(ex.contribs)
+            self.stats.last_tokens, self.stats.last_weights = dict(ex.tokens), dict(ex.weights)
         for unsent in ex.unsent:  # ours that no round uses: back to the codec (error feedback)
             self.codec.restore(p.fid, unsent)
         # nothing arrived, not even ours: the anchor stays and the replica restarts from it (+ drift)
-        delta_bar = self.aggregate(ex.contribs) if ex.contribs else None
+        delta_bar = self.aggregate(ex.contribs, ex.weights) if ex.contribs else None
         idx = self.fragments[p.fid.fragment]
         if delta_bar is not None and self.confine is not None:  # on the host, before it meets the anchor
             delta_bar = [self.confine.consensus(i, t) for i, t in zip(idx, delta_bar, strict=True)]
@@ -340,6 +348,7 @@ __all__ = [
     "ANCHOR_IN_SPAN",
     "Aggregator",
     "Confinement",
+    "Contribution",
     "Encoding",
     "Exchange",
     "FragmentCodec",

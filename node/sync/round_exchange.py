@@ -22,6 +22,7 @@ primary key is squatted).
 
 from __future__ import annotations
 
+import functools
 import logging
 import math
 import threading
@@ -31,8 +32,16 @@ from dataclasses import dataclass, field
 
 import torch
 
-from node.sync.exchange import Encoding, Exchanged, FragmentCodec, FragmentId, RoundAgreementError, SyncStats
-from node.sync.late_window import Committed, LateWindow
+from node.sync.exchange import (
+    Contribution,
+    Encoding,
+    Exchanged,
+    FragmentCodec,
+    FragmentId,
+    RoundAgreementError,
+    SyncStats,
+)
+from node.sync.late_window import Committed, LateWindow, Ours
 from node.sync.round_log import report_late, report_round
 from node.sync.round_reader import RoundReader
 from node.sync.round_rule import Decision, decide, majority
@@ -59,7 +68,7 @@ nothing it applies is the consensus anyway)."""
 class _Gathered:
     """One replica's view of one round's fragments while it gathers them."""
 
-    valid: dict[str, list[torch.Tensor]] = field(default_factory=dict)
+    valid: dict[str, Contribution] = field(default_factory=dict)
     """Key -> the valid fragment it holds, decoded (ours: our contribution itself)."""
     bad: set[str] = field(default_factory=set)
     """Keys that held no valid fragment of their slot: never read again."""
@@ -67,6 +76,10 @@ class _Gathered:
     """Key -> sha256 of the bytes it held when read (or TOO_LARGE); keys are written once, so it stays so."""
     found: dict[int, tuple[str, float]] = field(default_factory=dict)
     """Slot -> (a key holding a valid fragment of it, the store's clock when we found it: t_r is no later)."""
+
+
+_NOT_OURS: Ours = (Contribution([], 0), "")
+"""A round none of ours is waiting in: no key's digest is "", so nothing is taken for ours."""
 
 
 class _Backoff:
@@ -198,7 +211,7 @@ class RoundExchange:
         key: str,
         shapes: list[torch.Size],
         g: _Gathered,
-        ours: tuple[list[torch.Tensor], str],
+        ours: Ours,
     ) -> bool | None:
         """Whether `key` holds a valid fragment of slot r: its bytes verify against the signer the key
         names (a signer of the slot) and, at a key naming a hash, match that hash. None: not readable now
@@ -231,7 +244,7 @@ class RoundExchange:
         listing: dict[int, dict[str, list[tuple[int, str]]]] | None,
         shapes: list[torch.Size],
         g: _Gathered,
-        ours: tuple[list[torch.Tensor], str],
+        ours: Ours,
     ) -> bool:
         """Look for the live slots not found yet (but ours, which we put): each signer's primary key, or
         the keys a fresh `listing` names. True if one was found."""
@@ -255,7 +268,7 @@ class RoundExchange:
         live: set[int],
         shapes: list[torch.Size],
         g: _Gathered,
-        ours: tuple[list[torch.Tensor], str],
+        ours: Ours,
     ) -> tuple[Decision, dict[int, str]] | None:
         """The rule on one fresh LIST of the round: (its decision, slot -> the key of its fragment). None if
         the LIST or a candidate it names could not be read now."""
@@ -276,7 +289,7 @@ class RoundExchange:
         slots: set[int],
         shapes: list[torch.Size],
         g: _Gathered,
-        ours: tuple[list[torch.Tensor], str],
+        ours: Ours,
     ) -> tuple[dict[int, tuple[int, str]], int] | None:
         """One fresh LIST of the round: slot -> (t_r, the key of its first valid fragment) for `slots`, and
         the store's clock; None if the LIST or a candidate it names could not be read now."""
@@ -305,13 +318,7 @@ class RoundExchange:
         """What round fid.round's final decision `d` commits from earlier rounds (node/sync/late_window.py),
         read until the store answers; RoundAgreementError if it does not within the grace."""
 
-        def first_valid(
-            f0: FragmentId, slots: set[int], ours: tuple[list[torch.Tensor], str] | None
-        ) -> tuple[dict[int, tuple[int, list[torch.Tensor]]], int] | None:
-            g0 = self._kept.setdefault((f0.fragment, f0.round), _Gathered())  # rejected keys stay rejected
-            got = self._firsts(f0, slots, shapes, g0, ours or ([], ""))
-            return None if got is None else ({r: (t, g0.valid[k]) for r, (t, k) in got[0].items()}, got[1])
-
+        first_valid = functools.partial(self._first_valid, shapes=shapes)
         backoff = _Backoff(self.poll_s, self.poll_max_s)
         grace_s = self.cut_off_s  # as long as a round waits on an unanswering store: the answer keeps
         start = self.store.store_now()
@@ -323,6 +330,14 @@ class RoundExchange:
                 )
             backoff.wait(math.inf)
         return done
+
+    def _first_valid(
+        self, f0: FragmentId, slots: set[int], ours: Ours | None, *, shapes: list[torch.Size]
+    ) -> tuple[dict[int, tuple[int, Contribution]], int] | None:
+        """late_window.py's `FirstValid` over an earlier round's kept reads (rejected keys stay rejected)."""
+        g0 = self._kept.setdefault((f0.fragment, f0.round), _Gathered())
+        got = self._firsts(f0, slots, shapes, g0, ours or _NOT_OURS)
+        return None if got is None else ({r: (t, g0.valid[k]) for r, (t, k) in got[0].items()}, got[1])
 
     def _settles_at(self, live: set[int], g: _Gathered) -> float | None:
         """When, on the store's clock, a LIST may settle the round given what polling found (each t_r is
@@ -407,7 +422,7 @@ class RoundExchange:
         on_time = {} if settled is None else {r: g.valid[settled[1][r]] for r in sorted(settled[0].members)}
         report_round(self, fid, on_time, settled, g.bad, ours, expected, started)
         if settled is None:
-            return Exchanged({}, [own])
+            return Exchanged({}, [own.tensors])
         used = {settled[1][r] for r in settled[0].members}
         self._kept[fid.fragment, fid.round] = _Gathered(
             {k: v for k, v in g.valid.items() if k not in used}, set(g.bad) | used, dict(g.seen)
@@ -417,13 +432,8 @@ class RoundExchange:
             self._kept.pop(key, None)
         report_late(self, fid, late)
         held = me not in on_time and self.late.hold(fid, ours)  # in a later round's set, if it lands in time
-        mine = [own] if on_time.get(me) is not own and not held else []
-        contribs = {
-            r: _summed([ts for _, ts in late.late.get(r, [])] + ([on_time[r]] if r in on_time else []))
-            for r in sorted(set(on_time) | set(late.late))
-        }
-        restore = mine + [ts for _, ts in late.restore]
-        return Exchanged(contribs, restore, {r: [q for q, _ in v] for r, v in late.late.items()})
+        mine = [own.tensors] if on_time.get(me) is not own and not held else []
+        return _applied(on_time, late, mine)
 
     def _put_ours(
         self,
@@ -431,7 +441,7 @@ class RoundExchange:
         data: bytes,
         shapes: list[torch.Size],
         g: _Gathered,
-        ours: tuple[list[torch.Tensor], str],
+        ours: Ours,
     ) -> None:
         """Upload our fragment to our primary key, or, if that holds anything but a valid fragment of ours,
         to the key naming its hash, and note our slot in g: ours, or a valid fragment of ours already at
@@ -484,13 +494,31 @@ class RoundExchange:
             self.stats.bytes_down += down
 
 
-def _summed(parts: list[list[torch.Tensor]]) -> list[torch.Tensor]:
+def _applied(on_time: dict[int, Contribution], late: Committed, mine: list[list[torch.Tensor]]) -> Exchanged:
+    """What a settled round applies: each slot's on-time fragment with the late ones it commits, summed;
+    and ours that no round uses (`mine`, and those whose late window closed) back to error feedback."""
+    contribs = {
+        r: _summed([c for _, c in late.late.get(r, [])] + ([on_time[r]] if r in on_time else []))
+        for r in sorted(set(on_time) | set(late.late))
+    }
+    return Exchanged(
+        {r: c.tensors for r, c in contribs.items()},
+        mine + [c.tensors for _, c in late.restore],
+        {r: [q for q, _ in v] for r, v in late.late.items()},
+        tokens={r: c.tokens for r, c in contribs.items()},
+        weights={r: c.weight for r, c in contribs.items()},
+    )
+
+
+def _summed(parts: list[Contribution]) -> Contribution:
     """One slot's fragments of one round's set (late ones oldest first, then its on-time one) as one
-    contribution: summed in that order, the same bits on every replica."""
+    contribution: summed in that order, the same bits on every replica; their tokens too, each part's kept."""
     if len(parts) == 1:
         return parts[0]
-    acc = [t.detach().float().clone() for t in parts[0]]
-    for ts in parts[1:]:
-        for a, t in zip(acc, ts, strict=True):
+    acc = [t.detach().float().clone() for t in parts[0].tensors]
+    for c in parts[1:]:
+        for a, t in zip(acc, c.tensors, strict=True):
             a += t.float()
-    return acc
+    return Contribution(
+        acc, sum(c.tokens for c in parts), tuple(t for c in parts for t in c.parts or (c.tokens,))
+    )

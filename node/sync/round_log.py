@@ -10,10 +10,8 @@ import time
 from collections.abc import Callable
 from typing import Protocol
 
-import torch
-
-from node.sync.exchange import FragmentCodec, FragmentId, SyncStats
-from node.sync.late_window import Committed, LateWindow
+from node.sync.exchange import Contribution, FragmentCodec, FragmentId, SyncStats
+from node.sync.late_window import Committed, LateWindow, Ours
 from node.sync.round_reader import RoundReader
 from node.sync.round_rule import Decision
 from protocol import keys
@@ -42,10 +40,10 @@ log = logging.getLogger("node.sync.round_exchange")  # the exchange's lines, und
 def report_round(
     ex: Settling,
     fid: FragmentId,
-    contribs: dict[int, list[torch.Tensor]],
+    contribs: dict[int, Contribution],
     settled: tuple[Decision, dict[int, str]] | None,
     bad: set[str],
-    ours: tuple[list[torch.Tensor], str],
+    ours: Ours,
     expected: set[int],
     started: float,
 ) -> None:

@@ -24,8 +24,9 @@ from typing import NamedTuple
 
 import torch
 
-from node.sync.aggregation import aggregate
+from node.sync.aggregation import Weights, aggregate
 from node.sync.dense_sync import DenseCodec
+from node.sync.exchange import Contribution, TokensBound, check_tokens
 from node.sync.outer_sync import Aggregator, Encoding, FragmentCodec, FragmentId
 from protocol.codecs.sparseloco import SparseLoCoConfig, decompress, error_feedback_step
 from protocol.codecs.sparseloco_format import (
@@ -37,6 +38,7 @@ from protocol.codecs.sparseloco_format import (
 )
 from protocol.identity import Identity, SignatureError, public_key_of_peer_id
 from protocol.runspec import RunSpec
+from protocol.schema import to_dict
 from protocol.sync_settings import AggregationSettings
 
 log = logging.getLogger(__name__)
@@ -61,17 +63,20 @@ class SparseLoCoCodec(FragmentCodec):
         cfg: SparseLoCoConfig = SparseLoCoConfig(),  # noqa: B008
         *,
         device_path: bool | None = None,
+        tokens_bound: TokensBound | None = None,
     ) -> None:
         """device_path: True = the torch path wherever the tensors are, False = the numpy reference on the
-        host, None = the torch path for CUDA tensors and the reference for CPU ones."""
+        host, None = the torch path for CUDA tensors and the reference for CPU ones. tokens_bound: the most
+        tokens a fragment may claim (`RunSpec.fragment_tokens`; None: any the format holds)."""
         self.identity, self.cfg, self.device_path = identity, cfg, device_path
+        self.tokens_bound = tokens_bound
         self.e: dict[int, list[torch.Tensor]] = {}
         """Error-feedback buffer of each fragment (float32, on the device the path runs on), created at
         its first capture."""
 
-    def encode(self, fid: FragmentId, delta: list[torch.Tensor]) -> Encoding:
+    def encode(self, fid: FragmentId, delta: list[torch.Tensor], tokens: int) -> Encoding:
         """Update the fragment's buffer e and compress (on delta's device or the host); the returned
-        `Encoding` gives (signed wire bytes, decode(c)) of this round's Delta."""
+        `Encoding` gives (signed wire bytes, decode(c) with `tokens`) of this round's Delta."""
         on_device = self.device_path if self.device_path is not None else bool(delta and delta[0].is_cuda)
         where = delta[0].device if on_device and delta else torch.device("cpu")
         e = self.e.get(fid.fragment)
@@ -92,8 +97,9 @@ class SparseLoCoCodec(FragmentCodec):
             fragment=fid.fragment,
             round=fid.round,
             replica=fid.replica,
+            tokens=tokens,
         )
-        return lambda: (encode_fragment(self.identity, header, cf), decompress(cf))
+        return lambda: (encode_fragment(self.identity, header, cf), Contribution(decompress(cf), tokens))
 
     def state(self) -> dict[str, torch.Tensor]:
         return {f"ef.{f}.{j}": t for f, e in sorted(self.e.items()) for j, t in enumerate(e)}
@@ -126,8 +132,8 @@ class SparseLoCoCodec(FragmentCodec):
     def max_fragment_bytes(self) -> int:
         return MAX_FRAGMENT_BYTES
 
-    def expected_header(self, fid: FragmentId, shapes: list[torch.Size]) -> FragmentHeader:
-        """The exact header a valid fragment for `fid` with these tensor shapes carries."""
+    def expected_header(self, fid: FragmentId, shapes: list[torch.Size], tokens: int) -> FragmentHeader:
+        """The exact header a valid fragment for `fid` with these tensor shapes and `tokens` carries."""
         return FragmentHeader(
             run_id=fid.run_id,
             stage=fid.stage,
@@ -139,28 +145,30 @@ class SparseLoCoCodec(FragmentCodec):
             k=self.cfg.k,
             value_bits=self.cfg.value_bits,
             dense_1d=self.cfg.dense_1d,
+            tokens=tokens,
         )
 
-    def decode(
-        self, fid: FragmentId, data: bytes, shapes: list[torch.Size], signer: str
-    ) -> list[torch.Tensor]:
-        """Verify (signed by `signer`'s key, header == expected) and decompress; raise FragmentError."""
+    def decode(self, fid: FragmentId, data: bytes, shapes: list[torch.Size], signer: str) -> Contribution:
+        """Verify (signed by `signer`'s key, header == expected but for the token claim, the claim within
+        the replica's bound) and decompress; raise FragmentError or TokenClaimError."""
         try:
             trusted = {public_key_of_peer_id(signer)}
         except SignatureError as e:
             raise FragmentError(f"replica {fid.replica}'s peer id cannot sign fragments: {e}") from e
-        expect = self.expected_header(fid, shapes)
-        numel = sum(math.prod(s) for s in expect.shapes)
-        _, cf, _ = decode_fragment(data, trusted=trusted, expect=expect, max_params=max(numel, 1))
-        return decompress(cf)
+        expect = to_dict(self.expected_header(fid, shapes, tokens=1))
+        del expect["tokens"]  # checked against the bound below
+        numel = sum(math.prod(s) for s in shapes)
+        header, cf, _ = decode_fragment(data, trusted=trusted, expect=expect, max_params=max(numel, 1))
+        return Contribution(decompress(cf), check_tokens(fid, header.tokens, self.tokens_bound))
 
 
 def make_aggregator(cfg: AggregationSettings) -> Aggregator:
-    """`node.sync.aggregation.aggregate` as OuterSync's aggregator: Delta_bar tensors; rejections, and
+    """`node.sync.aggregation.aggregate` as OuterSync's aggregator: Delta_bar tensors, the contributions
+    weighed by their tokens (`sync.weighting = "tokens"`) or alike ("equal"); rejections, and
     contributions scaled below half or with values clamped, are logged."""
 
-    def aggregate_fn(contribs: dict[int, list[torch.Tensor]]) -> list[torch.Tensor]:
-        agg = aggregate(contribs, cfg)
+    def aggregate_fn(contribs: dict[int, list[torch.Tensor]], weights: Weights) -> list[torch.Tensor]:
+        agg = aggregate(contribs, cfg, weights=weights if cfg.weighting == "tokens" else None)
         for rej in agg.rejected:
             log.warning("aggregation left out replica %d: %s", rej.replica, rej.reason)
         for j in agg.used:
@@ -190,17 +198,22 @@ def make_sync_parts(spec: RunSpec, identity: Identity) -> SyncParts:
     """The codec, aggregation and outer momentum a run's [sync] section selects.
 
     method "sparseloco": `SparseLoCoCodec` with the spec's chunk, k and beta; method "diloco": the dense
-    fp32 `DenseCodec`. Both aggregate with `spec.sync.aggregation` (for dense contributions the
+    fp32 `DenseCodec`; either refuses a fragment claiming more tokens than
+    its replica's shape trained on for it (`spec.fragment_tokens`). Both aggregate with `spec.sync.aggregation` (for dense contributions the
     per-coordinate mean equals the plain mean except where a contribution is exactly zero) under the
     robust rule `spec.sync.robust` and its bounds (by default clamp + median-norm clip + trimmed mean), and
     use `spec.sync.outer_momentum` (Nesterov; DiLoCo's 0.9, SparseLoCo's 0).
     """
     s = spec.sync
+
+    def bound(fid: FragmentId) -> int:
+        return spec.fragment_tokens(fid.replica, fid.fragment, fid.round)
+
     codec: FragmentCodec
     if s.method == "sparseloco":
-        codec = SparseLoCoCodec(identity, s.sparseloco())
+        codec = SparseLoCoCodec(identity, s.sparseloco(), tokens_bound=bound)
     elif s.method == "diloco":
-        codec = DenseCodec(identity)
+        codec = DenseCodec(identity, tokens_bound=bound)
     else:  # SyncSpec validates the method; this guards a spec built around that check
         raise ValueError(f"sync.method={s.method!r} must be 'diloco' or 'sparseloco'")
     return SyncParts(

@@ -25,23 +25,29 @@ class DenseFragment:
     fragment: int
     round: int
     replica: int
+    tokens: int
+    """Tokens the sender's replica trained on for this contribution (its weight in the aggregate)."""
     shapes: list[list[int]]
     data: bytes
     """The tensors' fp32 values, concatenated in order (little-endian)."""
 
 
-def encode_dense(identity: Identity, header: dict, tensors: list[torch.Tensor]) -> bytes:
+def encode_dense(identity: Identity, header: dict, tensors: list[torch.Tensor], tokens: int) -> bytes:
     flat = torch.cat([t.detach().float().reshape(-1) for t in tensors]) if tensors else torch.zeros(0)
     body = DenseFragment(
-        shapes=[list(t.shape) for t in tensors], data=flat.numpy().astype("<f4").tobytes(), **header
+        shapes=[list(t.shape) for t in tensors],
+        data=flat.numpy().astype("<f4").tobytes(),
+        tokens=tokens,
+        **header,
     )
     return seal(identity, body)
 
 
 def decode_dense(
     data: bytes, header: dict, shapes: list[torch.Size], signer_peer_id: str
-) -> list[torch.Tensor]:
-    """Verify signer, header and shapes; reject non-finite values."""
+) -> tuple[list[torch.Tensor], int]:
+    """Verify signer, header and shapes; reject non-finite values. Returns (tensors, claimed tokens): the
+    caller bounds the claim."""
     signed = open_envelope(
         data, DenseFragment, {public_key_of_peer_id(signer_peer_id)}, max_bytes=MAX_DENSE_FRAGMENT_BYTES
     )
@@ -59,4 +65,5 @@ def decode_dense(
     flat = torch.from_numpy(np.frombuffer(frag.data, dtype="<f4").copy())
     if not torch.isfinite(flat).all():
         raise DenseFragmentError("dense fragment holds non-finite values (NaN/inf)")
-    return [t.reshape(s) for t, s in zip(flat.split([int(np.prod(s)) for s in shapes]), shapes, strict=True)]
+    parts = flat.split([int(np.prod(s)) for s in shapes])
+    return [t.reshape(s) for t, s in zip(parts, shapes, strict=True)], frag.tokens

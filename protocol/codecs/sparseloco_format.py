@@ -52,7 +52,8 @@ if TYPE_CHECKING:  # signing needs cryptography; pack/unpack and the Golomb code
 
 MAGIC = b"CRSL"
 FORMAT_VERSION = 1
-CODEC_VERSION = 1
+CODEC_VERSION = 2
+"""2: the header carries `tokens`."""
 _DOMAIN = b"crucible/sparseloco-fragment/v1\x00"
 _FRAME = struct.Struct("<4sBI")  # magic, format version, header length
 _U32 = struct.Struct("<I")
@@ -63,8 +64,10 @@ MAX_PARAMS = 1 << 30
 MAX_HEADER_BYTES = 1 << 20
 MAX_TENSORS = 1 << 16
 MAX_NDIM = 8
+MAX_TOKENS = 1 << 48
+"""Above any honest count (protocol/runspec.py refuses a spec whose rounds could reach it)."""
 _MAX_HEADER_VALUES = 32 + MAX_TENSORS * (1 + MAX_NDIM)
-"""msgpack values in the largest valid header: 22 for its fields, 1 + ndim per tensor."""
+"""msgpack values in the largest valid header: 24 for its 12 fields, 1 + ndim per tensor."""
 _MAX_HEADER_CONTAINERS = 8 + MAX_TENSORS
 """Arrays and maps in the largest valid header: the map, `shapes` and one list per tensor (3 levels)."""
 
@@ -84,6 +87,9 @@ class FragmentHeader:
     k: int
     value_bits: int
     dense_1d: bool
+    tokens: int
+    """Tokens the sender's replica trained on since its last capture of this fragment: the weight of its
+    contribution (issue 22); a receiver checks it against what the replica's shape allows in a round."""
     codec_version: int = CODEC_VERSION
 
     def __post_init__(self) -> None:
@@ -93,6 +99,8 @@ class FragmentHeader:
             v = getattr(self, name)
             if not 0 <= v < 1 << 63:
                 raise ValueError(f"{name}={v} must be a non-negative 64-bit integer")
+        if not 1 <= self.tokens < MAX_TOKENS:
+            raise ValueError(f"tokens={self.tokens} must be in [1, 2^48)")
         if len(self.shapes) > MAX_TENSORS:
             raise ValueError(f"{len(self.shapes)} tensors, at most {MAX_TENSORS} per fragment")
         for i, s in enumerate(self.shapes):
@@ -108,7 +116,15 @@ class FragmentHeader:
 
     @classmethod
     def of(
-        cls, cf: CompressedFragment, *, run_id: str, stage: int, fragment: int, round: int, replica: int
+        cls,
+        cf: CompressedFragment,
+        *,
+        run_id: str,
+        stage: int,
+        fragment: int,
+        round: int,
+        replica: int,
+        tokens: int,
     ) -> FragmentHeader:
         """The header for `cf` (shapes and decoding settings taken from it)."""
         return cls(
@@ -122,6 +138,7 @@ class FragmentHeader:
             k=cf.cfg.k,
             value_bits=cf.cfg.value_bits,
             dense_1d=cf.cfg.dense_1d,
+            tokens=tokens,
         )
 
 
@@ -600,6 +617,7 @@ def wire_bytes(
             round=0,
             replica=0,
             shapes=lay.shapes,
+            tokens=1 << 20,  # a typical round's count: a 5-byte msgpack integer
             **_decode_fields(cfg),
         )
     return _FRAME.size + _header_size(header) + _U32.size + payload + _KEY + _SIG

@@ -17,7 +17,13 @@ MALLORY = Identity.from_seed(b"\x66" * 32)
 
 def _header(cf, fid: FragmentId) -> FragmentHeader:  # type: ignore[no-untyped-def]
     return FragmentHeader.of(
-        cf, run_id=fid.run_id, stage=fid.stage, fragment=fid.fragment, round=fid.round, replica=fid.replica
+        cf,
+        run_id=fid.run_id,
+        stage=fid.stage,
+        fragment=fid.fragment,
+        round=fid.round,
+        replica=fid.replica,
+        tokens=1,
     )
 
 

@@ -31,6 +31,7 @@ from coordinator.plan.planner import (
     naive_layout,
     predict,
 )
+from coordinator.plan.shapes import ShapeComparison, ShapePlan, compare_shapes
 from protocol.process.cli_errors import (
     ArgumentParser,
     UsageError,
@@ -46,12 +47,16 @@ from protocol.schema import SchemaError, from_dict
 DESCRIPTION = """\
 Predict tokens/s, effective MFU, low-bandwidth tax (1 - MFU/ceiling) and $/Mtok for R replicas x S
 stages of a GPU pool, and compare with a reserved cluster. With --measured-tokens-per-s, also price a
-measured throughput on the same GPUs. Formulas: docs/economics.md."""
+measured throughput on the same GPUs. When the pool's hosts differ in memory, also a mixed-shape
+placement (each memory class at the fewest stages it fits) beside the best uniform one: a planning
+figure, the swarm does not yet run replicas of different stage counts. Formulas: docs/economics.md."""
 
 EXAMPLES = """\
 examples:
   # predict an 8B run over a mixed pool, 4 stages, replicas from the pool size
   crucible-coordinator plan --model 8b --pool docs/examples/pool_8b.toml --stages 4
+  # a pool mixing 80 GB and 40 GB GPUs: also a mixed-shape placement beside the best uniform one
+  crucible-coordinator plan --model 72b --pool docs/examples/pool_mixed_memory.toml
   # price Test Run 003 from its measured throughput, against AWS p4de.24xlarge Capacity Blocks
   crucible-coordinator plan --model 8b --gpus 48 --accelerator a100-80gb --usd-per-gpu-hour 1.17 \\
       --replicas 12 --stages 4 --measured-tokens-per-s 130100 \\
@@ -275,9 +280,11 @@ class PlanResult:
     device: str = "GPU"
     """What the placed hosts compute on: GPU, CPU, or device (a mix, or a measured peak only); the report's
     noun for `prediction.n_gpus`."""
+    shapes: ShapeComparison | None = None
+    """Mixed-shape placement beside the best uniform one; None unless the pool's hosts differ in memory."""
 
     def as_json(self) -> str:
-        d = dataclasses.asdict(self)
+        d = dataclasses.asdict(dataclasses.replace(self, shapes=None))  # shapes: a summary, not every host
         if self.unpriced:  # $0/h is not a price: null what depends on it
             d["prediction"].update(usd_per_hour=None, usd_per_mtok=None)
             for e in (d["predicted"], d["measured"]):
@@ -290,6 +297,7 @@ class PlanResult:
                 ):
                     if e is not None:
                         e[name] = None
+        d["shapes"] = None if self.shapes is None else _shapes_json(self.shapes)
         return json.dumps(d, separators=(",", ":"))
 
     def warning(self) -> str | None:
@@ -336,6 +344,7 @@ def plan(args: argparse.Namespace) -> PlanResult:
         {h.name.rsplit("#", 1)[0] for row in layout.replicas for h in row if h.usd_per_hour <= 0}
     )
     pred = predict(shape, layout, settings)
+    shapes = compare_shapes(shape, hosts, settings, planned=layout)
     accelerator = {g.name: g.accelerator for g in pool.hosts}
     placed = {accelerator[h.name.rsplit("#", 1)[0]] for row in layout.replicas for h in row}
     device = "CPU" if placed == {"cpu"} else "GPU" if "cpu" not in placed and "" not in placed else "device"
@@ -372,6 +381,7 @@ def plan(args: argparse.Namespace) -> PlanResult:
         measured=price(args.measured_tokens_per_s) if args.measured_tokens_per_s is not None else None,
         unpriced=tuple(unpriced),
         device=device,
+        shapes=shapes,
     )
 
 
@@ -439,7 +449,96 @@ def report(res: PlanResult) -> str:
             f"break-even {_k(e.break_even_tokens_per_s)} tokens/s ({e.break_even_mfu:.1%} MFU)"
         )
     lines += [f"warning    {w}" for w in p.warnings]
+    if res.shapes is not None:
+        lines += _shapes_report(res.shapes, p.warnings)
     return "\n".join(lines)
+
+
+MIXED_NOTE = "a planning figure: the swarm does not yet run replicas of different stage counts"
+
+
+def _group_names(plan: ShapePlan, g: int) -> str:
+    """The pool's host groups that serve shape g (host names are `group#i`), and their memory a host."""
+    hosts = [h for row in plan.groups[g].layout.replicas for h in row]
+    names = ", ".join(sorted({h.name.rsplit("#", 1)[0] for h in hosts}))
+    lo, hi = min(h.memory_gb for h in hosts), max(h.memory_gb for h in hosts)
+    return f"{names} ({lo:.0f} GB a host)" if lo == hi else f"{names} ({lo:.0f}-{hi:.0f} GB a host)"
+
+
+def _shapes_json(c: ShapeComparison) -> dict[str, Any]:
+    """The --json form of the comparison: figures and shapes, not the hosts of every replica."""
+
+    def arm(plan: ShapePlan) -> dict[str, Any]:
+        shapes = [
+            dict(
+                hosts=sorted({h.name.rsplit("#", 1)[0] for row in g.layout.replicas for h in row}),
+                memory_gb=g.memory_gb,
+                replicas=g.replicas,
+                stages=g.stages,
+                layers=list(g.layout.layers),
+                tokens_per_s=g.prediction.tokens_per_s,
+                warnings=list(g.prediction.warnings),
+            )
+            for g in plan.groups
+        ]
+        return dict(
+            shapes=shapes,
+            replicas=plan.replicas,
+            tokens_per_s=plan.tokens_per_s,
+            effective_mfu=plan.effective_mfu,
+            tax=plan.tax,
+            usd_per_hour=plan.usd_per_hour if plan.priced else None,
+            usd_per_mtok=plan.usd_per_mtok if plan.priced else None,
+            n_gpus=plan.n_gpus,
+            unused_hosts=plan.unused_hosts,
+        )
+
+    return dict(
+        mixed=arm(c.mixed),
+        uniform=arm(c.uniform),
+        uniform_is_planned=c.uniform_is_planned,
+        mixed_gain=c.mixed_gain,
+        note=MIXED_NOTE,
+    )
+
+
+def _shapes_report(c: ShapeComparison, printed: Sequence[str]) -> list[str]:
+    """The report's mixed-shape section: each arm's shapes, its figures, the warnings not already
+    printed (`printed`), then which predicts more. Dollar figures read n/a for an arm that places a host
+    without a price."""
+    lines = []
+    for label, plan in (("mixed", c.mixed), ("uniform", c.uniform)):
+        same = " (the plan above)" if label == "uniform" and c.uniform_is_planned else ""
+        for i, g in enumerate(plan.groups):
+            shape = (
+                f"{_count(g.replicas, 'replica')} x {_count(g.stages, 'stage')} on {_group_names(plan, i)}"
+            )
+            lines.append(
+                f"{label if i == 0 else '':<10} {shape}, layers/stage {'/'.join(map(str, g.layout.layers))}: "
+                f"{_k(g.prediction.tokens_per_s)} tokens/s{same}"
+            )
+        usd = (
+            f"${plan.usd_per_mtok:,.4f}/Mtok | ${plan.usd_per_hour:,.2f}/h"
+            if plan.priced
+            else f"$/Mtok {NO_PRICE}"
+        )
+        lines.append(
+            f"{'':<10} {_k(plan.tokens_per_s)} tokens/s | MFU {plan.effective_mfu:.1%} | "
+            f"tax {plan.tax:.1%} | {usd} | {_count(plan.unused_hosts, 'host')} unused"
+        )
+        lines += [
+            f"{'':<10} warning ({label}, {g.stages} stages): {w}"
+            for g in plan.groups
+            for w in g.prediction.warnings
+            if w not in printed
+        ]
+    more = "more" if c.mixed_gain >= 0 else "fewer"
+    verdict = f"mixed-shape predicts {abs(c.mixed_gain):.1%} {more} tokens/s than the best uniform"
+    if c.mixed.priced and c.uniform.priced:
+        cheaper = c.mixed.usd_per_mtok / c.uniform.usd_per_mtok - 1.0
+        verdict += f", at {abs(cheaper):.1%} {'lower' if cheaper <= 0 else 'higher'} $/Mtok"
+    lines.append(f"shapes     {verdict}; {MIXED_NOTE}")
+    return lines
 
 
 def run(args: argparse.Namespace) -> int:

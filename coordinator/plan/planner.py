@@ -20,10 +20,13 @@ The planner is split along its seams; this module is the prediction and re-expor
 - coordinator/plan/layout.py     Layout, per-stage work/params/memory, layer balancing, naive layout
 - coordinator/plan/schedule.py   the pipeline schedule replayed op by op
 - coordinator/plan/economics.py  $/Mtok and the reference-cluster comparison
+- coordinator/plan/shapes.py     mixed-shape placement (replicas of different stage counts) beside the
+                                 best uniform one; it imports this module, so it is not re-exported
 """
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from dataclasses import dataclass, replace
 
 from coordinator.plan.economics import Economics, ReferenceCluster, economics, usd_per_mtok
@@ -83,6 +86,7 @@ __all__ = [
     "figures_at",
     "load_pool",
     "naive_layout",
+    "placed_figures",
     "predict",
     "replica_step_s",
     "schedule_step",
@@ -369,7 +373,13 @@ class Figures:
 def figures(shape: ModelShape, layout: Layout, settings: RunSettings, tokens_per_s: float) -> Figures:
     """The module docstring's definitions at `tokens_per_s`: what `predict` reports for its prediction
     and what the coordinator's dashboard reports for the tokens/s the nodes measure."""
-    placed = [h for rep in layout.replicas for h in rep]
+    return placed_figures(shape, [h for rep in layout.replicas for h in rep], settings, tokens_per_s)
+
+
+def placed_figures(
+    shape: ModelShape, placed: Sequence[Host], settings: RunSettings, tokens_per_s: float
+) -> Figures:
+    """`figures` over a list of placed hosts: a mixed-shape run has no single Layout (shapes.py)."""
     peak_total = sum(h.peak_tflops for h in placed)
     mfu = tokens_per_s * shape.flops_per_token() / (peak_total * 1e12) if peak_total > 0 else 0.0
     usd = sum(h.usd_per_hour for h in placed)
@@ -467,8 +477,14 @@ def _store_warnings(layout: Layout, settings: RunSettings, steps: list[_ReplicaS
     return warnings
 
 
-def predict(shape: ModelShape, layout: Layout, settings: RunSettings) -> Prediction:
+def predict(
+    shape: ModelShape, layout: Layout, settings: RunSettings, *, run_replicas: int | None = None
+) -> Prediction:
     """Predict throughput, MFU, tax and price of `layout` (module docstring for F and the definitions).
+
+    `run_replicas`: R of the whole run when `layout` is only part of it (one shape of a mixed-shape run,
+    coordinator/plan/shapes.py): every replica fetches the fragments of all R - 1 others. None: the
+    layout's own replicas are the run.
 
     Per replica, with t_c[s] the compute of stage s per microbatch and t_x[l] a link's message time::
 
@@ -484,6 +500,9 @@ def predict(shape: ModelShape, layout: Layout, settings: RunSettings) -> Predict
     breakdown weights each replica's seconds by its share of the pool's peak.
     """
     R, S = len(layout.replicas), len(layout.layers)
+    R_run = R if run_replicas is None else run_replicas
+    if R_run < R:
+        raise ValueError(f"run_replicas={run_replicas} is fewer than the layout's {R} replicas")
     if sum(layout.layers) != shape.n_layers or any(len(rep) != S for rep in layout.replicas):
         raise ValueError(f"layout must give every replica {S} stages and sum to {shape.n_layers} layers")
     F = shape.flops_per_token()
@@ -494,7 +513,7 @@ def predict(shape: ModelShape, layout: Layout, settings: RunSettings) -> Predict
             shape,
             hosts,
             r,
-            R,
+            R_run,
             layout.layers,
             settings,
             layout.link_mbps[r] if layout.link_mbps else None,

@@ -178,3 +178,38 @@ def test_the_aggregate_weighs_each_replica_by_the_tokens_it_trained(
     finally:
         for s in syncs:
             s._io.shutdown(wait=True, cancel_futures=True)
+
+
+class OverClaiming(SparseLoCoCodec):
+    """A validly signed replica that trains honestly but signs three times the tokens it trained."""
+
+    def encode(self, fid, delta, tokens):  # type: ignore[no-untyped-def]
+        return super().encode(fid, delta, 3 * tokens)
+
+
+def test_a_replica_claiming_more_tokens_than_its_shape_is_left_out_by_every_honest_replica(
+    store: ObjectStore,  # noqa: F811
+) -> None:
+    """Issue 22 acceptance 2, the claimed token count, on a mixed run through a real store: replica 2
+    signs 3x what its shape trains; both honest replicas (one of them at twice the batch) reject every
+    fragment of it, each round settles with the two of them, weighted by their own claims, and their
+    consensus stays identical."""
+    spec = RunSpec(**{**MIXED.__dict__, "sync": SyncSpec(H=4)})  # type: ignore[arg-type]
+    cfg = spec.sync.sparseloco()
+    bound = make_sync_parts(spec, IDS[0]).codec.tokens_bound  # type: ignore[attr-defined]
+    codecs = [SparseLoCoCodec(IDS[r], cfg, tokens_bound=bound) for r in range(2)]
+    codecs.append(OverClaiming(IDS[2], cfg, tokens_bound=bound))
+    tps = [spec.tokens_per_step(r) for r in range(3)]
+    _, syncs = make_replicas(store, SHAPES, R=3, H=4, tokens_per_step=tps, codecs=codecs, timeout_s=1.0)
+    try:
+        for step in range(1, 2 * 4 + 1):
+            train_step(syncs, step)
+        honest = syncs[:2]
+        assert_same_anchors(honest)
+        for s in honest:
+            assert s.stats.rejected == 2  # replica 2's fragment of each round, once each
+            assert s.stats.last_tokens == {0: 4 * tps[0], 1: 4 * tps[1]}
+            assert s.stats.rounds_applied == 2
+    finally:
+        for s in syncs:
+            s._io.shutdown(wait=True, cancel_futures=True)

@@ -28,7 +28,7 @@ from protocol.envelope import seal
 from protocol.identity import Identity
 from protocol.messages import Assignment, RunRecord
 from protocol.net.store import ObjectStore, StoreConfig
-from protocol.runspec import RunSpec, SyncSpec, TrainSpec
+from protocol.runspec import ReplicaShape, RunSpec, SyncSpec, TrainSpec
 from protocol.trust.assignment_archive import encode_archive
 from protocol.trust.delegation import OperatorTrust
 from tests.test_fragment_polling import Requests
@@ -53,13 +53,15 @@ def store(moto_store: str) -> ObjectStore:
 
 
 def make_spec(stages: int = 2) -> RunSpec:
-    # H = 5, tau = 0: round r is checkpointed at step 5 r; rounds 1-20
+    # H = 5, tau = 0: round r is checkpointed at step 5 r; rounds 1-20. A mixed-batch run (issue 22
+    # acceptance 2): replica 1 at twice the microbatches; slots stay bound to their replica all the same
     return RunSpec(
         run_id=f"slots-{uuid.uuid4().hex[:10]}",
         replicas=2,
         stages=stages,
         train=TrainSpec(total_steps=100),
         sync=SyncSpec(H=5),
+        shapes=[ReplicaShape(replicas=[1], microbatches=8)],
     )
 
 

@@ -37,7 +37,7 @@ import itertools
 import math
 import statistics
 from collections.abc import Callable, Iterator, Mapping, Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 
 from coordinator.plan.inputs import MODELS, Host, ModelShape, RunSettings, compute_tflops, sustained_tflops
 from coordinator.plan.layout import Layout, balance_layers, stage_work
@@ -206,6 +206,9 @@ class CostModel:
     this rate in series with what was measured (`plan_links.shaped_link`)."""
     shaper_delay_ms: float = 0.0
     """The shaper's one-way delay (`pipeline.delay_ms`), added twice to every link's round trip."""
+    replica_microbatches: tuple[int, ...] = ()
+    """M of each replica where the run's [[shapes]] differ (`RunSpec.microbatches_of`); empty: every
+    replica runs `settings.microbatches`."""
 
     def __post_init__(self) -> None:
         if not self.layers or min(self.layers) < 1 or sum(self.layers) != self.shape.n_layers:
@@ -231,6 +234,9 @@ class CostModel:
             settings=run_settings(spec, ceiling=RunSettings().ceiling),
             shaper_mbps=spec.pipeline.bandwidth_mbps,
             shaper_delay_ms=spec.pipeline.delay_ms,
+            replica_microbatches=tuple(spec.microbatches_of(r) for r in range(spec.replicas))
+            if spec.shapes
+            else (),
         )
 
     @classmethod
@@ -257,7 +263,6 @@ class _Nodes:
         self.adverts, self.cost, self.R = list(adverts), cost, replicas
         shape, st, S = cost.shape, cost.settings, len(cost.layers)
         tokens = st.microbatch_size * shape.seq_len
-        self.tokens_per_step = st.microbatches * tokens
         idx = {a.peer_id: i for i, a in enumerate(self.adverts)}
         self.mbps = [{idx[p]: max(x, MIN_MBPS) for p, x in a.peer_mbps.items() if p in idx} for a in adverts]
         self.rtt_ms = [{idx[p]: x for p, x in a.peer_rtt_ms.items() if p in idx} for a in adverts]
@@ -313,20 +318,24 @@ class _Nodes:
             rtt = max(w for w in (u, v) if w is not None)
         return shaped_link(mbps, rtt, self.cost.shaper_mbps, self.cost.shaper_delay_ms)
 
-    def score(self, chain: Sequence[int]) -> float:
-        """The objective for one replica (stage s on node chain[s]): the planner's tokens/s."""
+    def score(self, chain: Sequence[int], replica: int | None = None) -> float:
+        """The objective for one replica (stage s on node chain[s]): the planner's tokens/s, at
+        `replica`'s own microbatch count where the run's shapes give it one (None: the run's)."""
         links = [self.link(a, b) for a, b in itertools.pairwise(chain)]
         c = self.cost
+        st = c.settings
+        if replica is not None and c.replica_microbatches:
+            st = replace(st, microbatches=c.replica_microbatches[replica])
         step = replica_step_s(
             c.shape,
             tuple(self.hosts[i] for i in chain),
             c.layers,
-            c.settings,
+            st,
             replicas=self.R,
             link_mbps=tuple(m for m, _ in links),
             link_rtt_ms=tuple(r for _, r in links),
         )
-        return self.tokens_per_step / step
+        return st.microbatches * st.microbatch_size * c.shape.seq_len / step
 
     def price(self, chain: Sequence[int]) -> float:
         return sum(self.adverts[i].price_per_hour for i in chain)
@@ -510,10 +519,17 @@ def _improve(nodes: _Nodes, chains: list[tuple[int, ...]], spare: list[int]) -> 
 
 
 def _chains_to_slots(nodes: _Nodes, chains: list[tuple[int, ...]]) -> tuple[dict[Slot, str], float]:
-    """Replicas numbered fastest first; returns the slots and the objective."""
+    """Replicas numbered fastest first, and where the run's shapes differ the fastest chains go to the
+    replicas of the most microbatches (the largest batches); returns the slots and the objective."""
     scored = sorted(((nodes.score(c), c) for c in chains), key=lambda x: -x[0])
-    slots = {(r, s): nodes.adverts[i].peer_id for r, (_, c) in enumerate(scored) for s, i in enumerate(c)}
-    return slots, sum(x for x, _ in scored)
+    mb = nodes.cost.replica_microbatches
+    order = sorted(range(len(chains)), key=lambda r: (-mb[r], r)) if mb else list(range(len(chains)))
+    slots = {
+        (r, s): nodes.adverts[i].peer_id
+        for r, (_, c) in zip(order, scored, strict=True)
+        for s, i in enumerate(c)
+    }
+    return slots, sum(nodes.score(c, r) for r, (_, c) in zip(order, scored, strict=True))
 
 
 def place(
@@ -671,7 +687,9 @@ def predict_placement(placement: Placement, adverts: Mapping[str, NodeAdvert], c
     """The planner's prediction for a placement from the placed nodes' adverts (`placement_layout`, then
     `planner.predict`): the one figure the coordinator logs at placement and its dashboard shows, and
     that crucible-swarm prints beside what it measures (it reads it from the dashboard's API)."""
-    return predict(cost.shape, placement_layout(placement, adverts, cost), cost.settings)
+    layout = placement_layout(placement, adverts, cost)
+    mb = cost.replica_microbatches[: len(layout.replicas)]
+    return predict(cost.shape, layout, cost.settings, replica_microbatches=mb)
 
 
 def choose_boundary_k(

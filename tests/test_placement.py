@@ -26,7 +26,7 @@ from coordinator.plan.planner import Layout, predict
 from protocol.memory import stage_memory
 from protocol.messages import NodeAdvert
 from protocol.reference_block import REFERENCE_BLOCKS
-from protocol.runspec import ModelSpec, RunSpec, TrainSpec
+from protocol.runspec import ModelSpec, ReplicaShape, RunSpec, TrainSpec
 
 GB = 10**9
 
@@ -314,6 +314,27 @@ def test_cost_model_from_the_run_spec() -> None:
     assert len(set(pl.slots.values())) == 4 and pl.tokens_per_s > 0
     with pytest.raises(ValueError, match="cost model has 2 stages, the placement 3"):
         place(nodes, 1, 3, cost=cost)
+
+
+def test_a_replica_of_twice_the_batch_gets_the_faster_nodes_and_its_tokens_count() -> None:
+    """Issue 22: a [[shapes]] table gives replica 1 twice the microbatches. Placement gives the replica of
+    the larger batch the faster chain, and its predicted tokens/s (the coordinator's one figure) counts
+    each replica at its own batch: more than the uniform run's, and what the planner predicts for it."""
+    model = ModelSpec(vocab=256, d_model=256, n_layers=4, n_heads=4, d_ff=688, seq_len=256)
+    uniform = RunSpec(run_id="cost", replicas=2, stages=2, model=model)
+    mixed = dataclasses.replace(uniform, shapes=[ReplicaShape(replicas=[1], microbatches=8)])
+    nodes = [_node(f"n{i}", t, device="cpu") for i, t in enumerate([0.1, 0.1, 0.4, 0.4])]
+    adverts = {a.peer_id: a for a in nodes}
+    cost = CostModel.from_spec(mixed)
+    assert cost.replica_microbatches == (4, 8)
+    pl = place(nodes, 2, 2, need_bytes=stage_needs(mixed), cost=cost)
+    assert {pl.peer(1, s) for s in range(2)} == {"n2", "n3"}  # the fast pair trains the big batch
+    flat = place(nodes, 2, 2, need_bytes=stage_needs(uniform), cost=CostModel.from_spec(uniform))
+    assert pl.tokens_per_s > flat.tokens_per_s
+    predicted = placement_module.predict_placement(pl, adverts, cost)
+    assert predicted.tokens_per_s == pytest.approx(pl.tokens_per_s, rel=1e-9)
+    with pytest.raises(ValueError, match="1 microbatch counts for 2 replicas"):
+        predict(cost.shape, placement_layout(pl, adverts, cost), cost.settings, replica_microbatches=(4,))
 
 
 def test_the_reference_block_time_sets_a_nodes_compute_rate() -> None:

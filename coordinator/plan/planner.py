@@ -478,9 +478,17 @@ def _store_warnings(layout: Layout, settings: RunSettings, steps: list[_ReplicaS
 
 
 def predict(
-    shape: ModelShape, layout: Layout, settings: RunSettings, *, run_replicas: int | None = None
+    shape: ModelShape,
+    layout: Layout,
+    settings: RunSettings,
+    *,
+    run_replicas: int | None = None,
+    replica_microbatches: Sequence[int] = (),
 ) -> Prediction:
     """Predict throughput, MFU, tax and price of `layout` (module docstring for F and the definitions).
+
+    `replica_microbatches`: M of each replica where the run's [[shapes]] give replicas their own (a
+    larger batch: more tokens per step, a smaller bubble share); empty: every replica `settings.microbatches`.
 
     `run_replicas`: R of the whole run when `layout` is only part of it (one shape of a mixed-shape run,
     coordinator/plan/shapes.py): every replica fetches the fragments of all R - 1 others. None: the
@@ -505,6 +513,9 @@ def predict(
         raise ValueError(f"run_replicas={run_replicas} is fewer than the layout's {R} replicas")
     if sum(layout.layers) != shape.n_layers or any(len(rep) != S for rep in layout.replicas):
         raise ValueError(f"layout must give every replica {S} stages and sum to {shape.n_layers} layers")
+    if replica_microbatches and len(replica_microbatches) != R:
+        raise ValueError(f"{len(replica_microbatches)} microbatch counts for {R} replicas")
+    per = [replace(settings, microbatches=m) for m in replica_microbatches] or [settings] * R
     F = shape.flops_per_token()
     placed = [h for rep in layout.replicas for h in rep]
     peak_total = sum(h.peak_tflops for h in placed)
@@ -515,7 +526,7 @@ def predict(
             r,
             R_run,
             layout.layers,
-            settings,
+            per[r],
             layout.link_mbps[r] if layout.link_mbps else None,
             layout.link_rtt_ms[r] if layout.link_rtt_ms else None,
         )
@@ -527,7 +538,8 @@ def predict(
         for name, sec in st.seconds.items():
             parts[name] += sec / st.step_s * weight
     tokens_per_s = sum(
-        settings.microbatches * settings.microbatch_size * shape.seq_len / st.step_s for st in steps
+        st_r.microbatches * st_r.microbatch_size * shape.seq_len / st.step_s
+        for st_r, st in zip(per, steps, strict=True)
     )
     usd_per_hour = sum(h.usd_per_hour for h in placed)
     fig = figures(shape, layout, settings, tokens_per_s)
@@ -536,7 +548,7 @@ def predict(
     window = settings.tau * min(st.step_s for st in steps)
 
     warnings = [
-        *_memory_warnings(shape, layout, settings),
+        *_memory_warnings(shape, layout, max(per, key=lambda x: x.microbatches)),  # the largest batch
         *_link_warnings(steps),
         *_store_warnings(layout, settings, steps),
     ]

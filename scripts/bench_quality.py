@@ -60,7 +60,7 @@ import math
 import sys
 import threading
 import time
-from dataclasses import dataclass, replace
+from dataclasses import dataclass, field, replace
 from typing import Any
 
 import numpy as np
@@ -133,6 +133,8 @@ class Result:
     missing: int = 0
     late_committed: int = 0
     """Late fragments committed, counted by one replica."""
+    round_tokens: dict[int, int] = field(default_factory=dict)
+    """Replica -> the tokens its contribution to the last round claimed (the weights of "tokens")."""
     diverged_at: int | None = None
     """Inner step after which the weights or the loss stopped being finite (None: they never did)."""
 
@@ -480,6 +482,7 @@ def run_outer(
         rejected=sum(x.rejected for x in st),
         missing=sum(x.missing for x in st),
         late_committed=st[0].late_committed,
+        round_tokens=dict(st[0].last_tokens),
         diverged_at=diverged_at,
     )
 
@@ -848,6 +851,7 @@ def main(argv: list[str] | None = None) -> int:
         "gap_mixed_tokens_vs_sparseloco": gap("mixed_tokens", "sparseloco"),
         "gap_mixed_equal_vs_sparseloco": gap("mixed_equal", "sparseloco"),
         "late_committed": {r.name: r.late_committed for r in results if r.name in LATE_ARMS},
+        "round_tokens": {r.name: r.round_tokens for r in results if r.name in MIXED_ARMS},
         "sparseloco_beats_diloco": (by["sparseloco"].val_bpb < by["diloco"].val_bpb)
         if "sparseloco" in by and "diloco" in by
         else None,

@@ -77,3 +77,14 @@ def test_bench_attack_quick() -> None:
         assert run["honest_left_out"][kind]["trimmed"] == 0
         assert abs(run["gap_summary"][kind]["trimmed"]["mean"]) < 0.05
     assert out["honest_never_left_out"] is True
+
+
+def test_bench_quality_mixed_batch_arm_weighs_by_tokens() -> None:
+    """The mixed arm (issue 22 acceptance 4a): the last half of the replicas at twice the batch, and the
+    aggregate's weights are the tokens each trained in the round (H x batch x seq_len)."""
+    out = run_bench(
+        "scripts.bench_quality", "--quick", "--arms", "mixed_tokens", "--d-model", "64", "--batch", "4"
+    )
+    H, seq = out["H"], out["seq_len"]
+    assert out["round_tokens"]["mixed_tokens"] == {"0": H * 4 * seq, "1": H * 8 * seq}
+    assert out["val_bpb"]["mixed_tokens"] is not None and out["missing"] == out["rejected"] == 0

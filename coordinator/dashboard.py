@@ -289,7 +289,8 @@ function render() {
   for (let s = 0; s < r.stages; s++) head.appendChild(el("th", `stage ${s}`, "l"));
   grid.appendChild(head);
   r.grid.forEach((row, i) => {
-    const tr = el("tr"); tr.appendChild(el("td", String(i), "l"));
+    const mixed = r.batches && new Set(r.batches).size > 1;  // replicas of different batch sizes
+    const tr = el("tr"); tr.appendChild(el("td", mixed ? `${i} (batch ${r.batches[i]})` : String(i), "l"));
     for (const c of row) {
       if (!c) { tr.appendChild(el("td", "-", "cell")); continue; }
       const what = c.state === "dropped out" ? `dropped out at step ${c.step}` : `${c.state} step ${c.step} ${fmt(c.tokens_per_s, 0)} tok/s`;

@@ -98,6 +98,7 @@ def run_view(
         "led_here": run is not None,
         "replicas": spec.replicas,
         "stages": spec.stages,
+        "batches": [spec.batch_of(r) for r in range(spec.replicas)],  # sequences a step ([[shapes]])
         "total_steps": spec.train.total_steps,
         "sync": spec.sync.method,
         "model": {"d_model": m.d_model, "n_layers": m.n_layers, "seq_len": m.seq_len, "vocab": m.vocab},

@@ -525,14 +525,20 @@ def test_a_replica_that_dropped_out_is_shown_as_such(
     from protocol.messages import Assignment, NodeAdvert, RunRecord
     from protocol.net.dht_client import dht_time
     from protocol.net.store import ObjectStore, StoreConfig
-    from protocol.runspec import ModelSpec, RunSpec
+    from protocol.runspec import ModelSpec, ReplicaShape, RunSpec
     from tests.helpers.observability import chromium, plot_ticks
 
     store = ObjectStore(StoreConfig(endpoint_url=moto_store, bucket="crucible"))
     store.ensure_bucket()
     operator = _operator(home)
     rid = "dropping-2x2"
-    spec = RunSpec(run_id=rid, replicas=2, stages=2, model=ModelSpec(d_model=32, n_layers=2, n_heads=2))
+    spec = RunSpec(
+        run_id=rid,
+        replicas=2,
+        stages=2,
+        model=ModelSpec(d_model=32, n_layers=2, n_heads=2),
+        shapes=[ReplicaShape(replicas=[1], microbatches=8)],  # replica 1 at twice the batch (issue 22)
+    )
     nodes = {(r, s): Identity.generate() for r in range(2) for s in range(2)}
     assert try_acquire(store, operator, rid, 30, now=time.time() - 100)  # its first coordinator died
     archive = [
@@ -594,6 +600,7 @@ def test_a_replica_that_dropped_out_is_shown_as_such(
     assert re.search(r'<div id="run-reason">running: replica 1 dropped out: node', dom), dom[:3000]
     cells = re.findall(r'<td class="cell dropped"[^>]*>([^<]*)</td>', dom)
     assert len(cells) == 2 and "dropped out at step 40" in cells[0], cells
+    assert "1 (batch 16)" in dom and "0 (batch 8)" in dom  # replicas of different batch sizes say so
     xs, ys = plot_ticks(dom, "plot-tps")
     assert xs[:3] == ["0s", "30s", "1m"] and len(xs) >= 4, xs
     assert ys[:4] == ["0", "1,000", "2,000", "3,000"], ys

@@ -213,3 +213,12 @@ def test_a_replica_claiming_more_tokens_than_its_shape_is_left_out_by_every_hone
     finally:
         for s in syncs:
             s._io.shutdown(wait=True, cancel_futures=True)
+
+
+def test_the_dashboard_view_shows_each_replica_s_batch() -> None:
+    from coordinator.run_figures import History
+    from coordinator.run_views import run_view
+    from protocol.messages import RunRecord
+
+    view = run_view(RunRecord(spec=MIXED), None, {}, History())
+    assert view["batches"] == [8, 16, 8]

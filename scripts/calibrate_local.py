@@ -276,7 +276,10 @@ class _Probe:
                 self.proc.kill()
                 self.proc.wait(5)
         if self.proc.stdin:
-            self.proc.stdin.close()
+            try:
+                self.proc.stdin.close()  # flushes what _send buffered
+            except BrokenPipeError:  # the probe exited between poll() and the flush: nothing to tell it
+                pass
         if self.proc.stdout:
             self.proc.stdout.close()
 

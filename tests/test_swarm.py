@@ -708,7 +708,9 @@ def test_without_spares_a_crashed_replica_drops_out_and_stop_works(swarm: Swarm,
         return len(r0) == 2 and min(m["step"] for m in r0) >= step_at_kill + 15 and r0
 
     r0 = wait_until(progressed, 240, "replica 0 to keep training after replica 1 lost a node")
-    assert all(m["fragments_missing"] >= 1 for m in r0)
+    # a stage of replica 0 whose next round began after the drop-out reached it expects no replica 1 (and
+    # misses nothing); the one that got there first counts the miss
+    assert any(m["fragments_missing"] >= 1 for m in r0), r0
     # killed before its next upload: replica 0 finds replica 1 missing from the round it was in
     missed = {
         int(r)

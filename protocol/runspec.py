@@ -344,12 +344,11 @@ class RunSpec:
             raise ValueError(f"replicas={self.replicas} and stages={self.stages} must be positive")
         check_range("replicas", self.replicas, 1, 1 << 16)  # messages.MAX_REPLICAS
         check_range("eval_every", self.eval_every, 0, MAX_STEPS)
-        most = max([self.train.microbatches, *(sh.microbatches for sh in self.shapes)])
-        per_mb = self.train.batch_size // self.train.microbatches * self.model.seq_len
-        if self.sync.H * most * per_mb >= MAX_ROUND_TOKENS:
+        most = max(self.round_tokens_bound(r) for r in range(self.replicas))
+        if most >= MAX_ROUND_TOKENS:
             raise ValueError(
-                f"a round of sync.H={self.sync.H} steps of {most} microbatches of {per_mb} tokens is over "
-                f"{MAX_ROUND_TOKENS} tokens, more than a fragment can claim: lower sync.H or the batch"
+                f"a round of sync.H={self.sync.H} steps trains up to {most} tokens, over {MAX_ROUND_TOKENS}, "
+                "more than a fragment can claim: lower sync.H or the batch"
             )
         if not self.train.tokenizer and self.model.vocab < 256:
             raise ValueError(

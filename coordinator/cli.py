@@ -185,7 +185,8 @@ def build_parser() -> argparse.ArgumentParser:
         "--round",
         type=int,
         default=None,
-        help="outer round (default: the newest round two replicas' checkpoints agree on, every stage)",
+        help="outer round (default: the newest round two replicas' checkpoints agree on, every stage; in a run "
+        "whose replicas differ in split, every layer group)",
     )
     ex.add_argument(
         "--operator-key",
@@ -548,7 +549,8 @@ def cmd_launch(args: argparse.Namespace) -> int:
             flush=True,
         )
         print(
-            f"it is pending until a coordinator places it on {spec.replicas * spec.stages} free nodes; "
+            f"it is pending until a coordinator places it on "
+            f"{sum(spec.stages_of(r) for r in range(spec.replicas))} free nodes; "
             f"`{PROG} status {spec.run_id}` shows its state, and what it waits for",
             flush=True,
         )

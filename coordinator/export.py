@@ -32,6 +32,7 @@ from __future__ import annotations
 
 import json
 import os
+from collections.abc import Callable
 from pathlib import Path
 
 import torch
@@ -46,12 +47,15 @@ from protocol.checkpoint import (
     anchor_sha256,
     checkpoint_rounds,
     checkpoint_step,
+    group_anchor_sha256,
     newest_round,
+    param_group,
     read_manifest,
     read_round,
     slot_signers,
 )
 from protocol.codecs.subspace import basis, subspace_plan, token_table
+from protocol.messages import Assignment
 from protocol.net.store import ObjectStore
 from protocol.runspec import RunSpec
 from protocol.trust.assignment_archive import read_archive
@@ -83,11 +87,20 @@ TOP_NAMES = {
 }
 
 
+def export_parts(spec: RunSpec) -> list[tuple[int, int]]:
+    """The [start, end) layers of each state dict the export takes, in order: one per stage when the run's
+    replicas share one split (`spec.layer_ranges()`), one per layer group when their splits differ
+    (`spec.layer_groups()`, `spec.mixed_layout`: the unit its consensus is agreed in, whichever stage of
+    whichever replica holds it). The embedding goes with the first, the final norm and head with the last."""
+    return spec.layer_groups() if spec.mixed_layout else spec.layer_ranges()
+
+
 def expected_shapes(spec: RunSpec, stage: int) -> dict[str, tuple[int, ...]]:
-    """Parameter name -> shape of stage `stage` of `spec`, as build_stage names them (global layer ids)."""
+    """Parameter name -> shape of part `stage` of `spec` (`export_parts`: a stage, or a layer group of a
+    mixed-layout run), as build_stage names them (global layer ids)."""
     m = spec.model
     d, f, V = m.d_model, m.d_ff, m.vocab
-    ranges = spec.layer_ranges()
+    ranges = export_parts(spec)
     start, end = ranges[stage]
     per_layer = {
         "attn_norm.weight": (d,),
@@ -112,11 +125,17 @@ def expected_shapes(spec: RunSpec, stage: int) -> dict[str, tuple[int, ...]]:
 
 
 def merge_stages(spec: RunSpec, stage_states: list[dict[str, torch.Tensor]]) -> dict[str, torch.Tensor]:
-    """The stages' state dicts -> one dict of crucible names, float32 on the CPU; every name, shape and
-    value checked (a missing, extra, misshapen or non-finite tensor raises ValueError saying which)."""
-    if len(stage_states) != spec.stages:
+    """The stages' state dicts (one per `export_parts`: per layer group in a mixed-layout run) -> one dict of
+    crucible names, float32 on the CPU; every name, shape and value checked (a missing, extra, misshapen or
+    non-finite tensor raises ValueError saying which)."""
+    parts = export_parts(spec)
+    unit = "layer group" if spec.mixed_layout else "stage"
+    if len(stage_states) != len(parts):
         raise ValueError(
             f"got {len(stage_states)} stage state dicts, run {spec.run_id} has {spec.stages} stages (0..S-1)"
+            if not spec.mixed_layout
+            else f"got {len(stage_states)} state dicts, run {spec.run_id} has {len(parts)} layer groups "
+            f"{parts} (its replicas' layer splits differ: one state dict per layer group)"
         )
     merged: dict[str, torch.Tensor] = {}
     for s, state in enumerate(stage_states):
@@ -124,26 +143,27 @@ def merge_stages(spec: RunSpec, stage_states: list[dict[str, torch.Tensor]]) -> 
         missing, extra = sorted(want.keys() - state.keys()), sorted(state.keys() - want.keys())
         if missing or extra:
             raise ValueError(
-                f"stage {s} state dict does not match layers {spec.layer_ranges()[s]} of run {spec.run_id}: "
-                f"missing {missing[:5]}, unexpected {extra[:5]} (is it another run's or another stage's?)"
+                f"{unit} {s} state dict does not match layers {parts[s]} of run {spec.run_id}: "
+                f"missing {missing[:5]}, unexpected {extra[:5]} (is it another run's or another {unit}'s?)"
             )
         for name, shape in want.items():
             t = state[name]
             if tuple(t.shape) != shape:
                 raise ValueError(
-                    f"stage {s} tensor {name} has shape {tuple(t.shape)}, the run spec says {shape}"
+                    f"{unit} {s} tensor {name} has shape {tuple(t.shape)}, the run spec says {shape}"
                 )
             t = t.detach().to("cpu", torch.float32)
             if not torch.isfinite(t).all():
-                raise ValueError(f"stage {s} tensor {name} holds NaN or inf: the consensus diverged")
+                raise ValueError(f"{unit} {s} tensor {name} holds NaN or inf: the consensus diverged")
             merged[name] = t
     return merged
 
 
 def residual_spans(spec: RunSpec) -> tuple[int | None, dict[int, int]]:
     """(embed_k, write_k): E's rows lie in span(U[:, :embed_k]), layer l's wo / w_down outputs in
-    span(U[:, :write_k[l]]); (None, {}) when every link is dense (protocol.codecs.subspace.subspace_plan)."""
-    plan = subspace_plan(spec.model, spec.pipeline, spec.layer_ranges())
+    span(U[:, :write_k[l]]); (None, {}) when every link is dense (protocol.codecs.subspace.subspace_plan).
+    The spans are the model's, over every replica's layout (`spec.layouts()`), as the nodes constrain them."""
+    plan = subspace_plan(spec.model, spec.pipeline_of(0), spec.layer_ranges(0), layouts=spec.layouts())
     return plan.embed_k, dict(plan.write_k)
 
 
@@ -270,14 +290,15 @@ Agreed = list[tuple[str | None, list[tuple[int, SignedManifest]]]]
 def consensus_states(
     store: ObjectStore, run_id: str, operator: set[bytes], rnd: int | None = None
 ) -> tuple[RunSpec, int, list[dict[str, torch.Tensor]]]:
-    """(spec, round, per-stage consensus state) of `run_id` at round `rnd`, or by default the newest round
-    whose every stage at least two replicas' checkpoints agree on: the same anchor digest in manifests signed
-    by two different nodes, and tensors that hold it (a run of one replica: its own checkpoint). The spec must
-    be signed by the operator; a checkpoint by a node the operator's coordinators put in its slot (the
-    archived assignments, earlier nodes included), never by another slot's node. The round is found by
-    bisection over the rounds the run checkpoints (`newest_round`: no LIST, so junk under ckpt/ costs nothing).
-    A named round takes any replica's valid checkpoint of each stage. Raises ValueError naming what is
-    missing."""
+    """(spec, round, consensus states) of `run_id` at round `rnd`, or by default the newest round whose every
+    stage at least two replicas' checkpoints agree on: the same anchor digest in manifests signed by two
+    different nodes, and tensors that hold it (a run of one replica: its own checkpoint). The spec must be
+    signed by the operator; a checkpoint by a node the operator's coordinators put in its slot (the archived
+    assignments, earlier nodes included), never by another slot's node. The round is found by bisection over
+    the rounds the run checkpoints (`newest_round`: no LIST, so junk under ckpt/ costs nothing). A named round
+    takes any replica's valid checkpoint of each stage. The states are one per `export_parts(spec)`: per stage,
+    or per layer group when the replicas' splits differ (`spec.mixed_layout`), agreed group by group
+    (`_group_consensus`), as `export_llama` takes them. Raises ValueError naming what is missing."""
     # the operator's own signature or a coordinator it certified, as of when it was signed (the run may
     # have ended after the coordinators' certificates expired)
     trust = OperatorTrust.of(operator)
@@ -286,6 +307,8 @@ def consensus_states(
         raise ValueError(f"no run {run_id!r} in the store (no {keys.spec_key(run_id)}); check the run id")
     spec = record.spec
     assigned = read_archive(store, spec, trust, as_issued=True) or []
+    if spec.mixed_layout:
+        return (spec, *_group_consensus(store, spec, assigned, rnd))
     signers = [slot_signers(assigned, stage) for stage in range(spec.stages)]
     quorum = 1 if rnd is not None or spec.replicas == 1 else 2
     why: list[str] = []
@@ -296,14 +319,7 @@ def consensus_states(
             seen[stage, r] = _agreed(store, spec, stage, r, signers[stage], quorum, why)
         return seen[stage, r]
 
-    if rnd is not None:
-        tries = [rnd]
-    else:
-        rounds = checkpoint_rounds(spec)
-        top = newest_round(rounds, lambda r: all(agreed(stage, r) for stage in range(spec.stages)))
-        i = -1 if top is None else rounds.index(top)
-        tries = list(reversed(rounds[max(0, i + 1 - MAX_EXPORT_TRIES) : i + 1]))
-    for r in tries:
+    for r in _rounds_to_try(spec, rnd, lambda r: all(agreed(stage, r) for stage in range(spec.stages))):
         states = []
         for stage in range(spec.stages):
             state = _read_agreed(store, spec, stage, r, signers[stage], agreed(stage, r), why)
@@ -312,9 +328,24 @@ def consensus_states(
             states.append(state)
         if len(states) == spec.stages:
             return spec, r, states
+    raise _none_agreed(run_id, "stage", quorum, why)
+
+
+def _rounds_to_try(spec: RunSpec, rnd: int | None, counts: Callable[[int], bool]) -> list[int]:
+    """`[rnd]` when named; else the newest checkpoint round that `counts` (by bisection) and the ones below
+    it, newest first, MAX_EXPORT_TRIES in all (none when no round counts)."""
+    if rnd is not None:
+        return [rnd]
+    rounds = checkpoint_rounds(spec)
+    top = newest_round(rounds, counts)
+    i = -1 if top is None else rounds.index(top)
+    return list(reversed(rounds[max(0, i + 1 - MAX_EXPORT_TRIES) : i + 1]))
+
+
+def _none_agreed(run_id: str, unit: str, quorum: int, why: list[str]) -> ValueError:
     detail = "; ".join(why[-4:]) or "no checkpoints"
-    raise ValueError(
-        f"run {run_id}: no round with a valid checkpoint of every stage"
+    return ValueError(
+        f"run {run_id}: no round with a valid checkpoint of every {unit}"
         + (" that two replicas agree on" if quorum > 1 else "")
         + f" ({detail})"
         + ("; to export one replica's checkpoint anyway, name its round (--round)" if quorum > 1 else "")
@@ -354,12 +385,21 @@ def _agreed(
             why.append(f"{where} replica {replica}: manifest is for step {m.manifest.step}")
             continue
         found.setdefault(m.anchor_sha256 if quorum > 1 else None, []).append((replica, m))
+    return _with_quorum(found, quorum, where, why)
+
+
+def _with_quorum(
+    found: dict[str | None, list[tuple[int, SignedManifest]]], quorum: int, where: str, why: list[str]
+) -> Agreed:
+    """The digests of `found` (digest -> the replicas' manifests signing it) that `quorum` different signers
+    sign, most signers first; why the others fall short goes to `why`."""
     out: Agreed = []
     for digest, group in sorted(found.items(), key=lambda kv: -len({m.signer for _, m in kv[1]})):
+        replicas = [r for r, _ in group]
         if digest is None and quorum > 1:  # written before checkpoints carried the digest
-            why.append(f"{where}: replicas {[r for r, _ in group]} carry no anchor digest (an older build)")
+            why.append(f"{where}: replicas {replicas} carry no digest of its anchor (an older build)")
         elif len({m.signer for _, m in group}) < quorum:
-            why.append(f"{where}: only replica(s) {[r for r, _ in group]} sign anchor {str(digest)[:16]}...")
+            why.append(f"{where}: only replica(s) {replicas} sign anchor {str(digest)[:16]}...")
         else:
             out.append((digest, group))
     if not found:
@@ -401,3 +441,165 @@ def _read_agreed(
                 continue
             return stage_state(ck.tensors)
     return None
+
+
+# --- a mixed-layout run: agreed layer group by layer group ------------------------------------------
+Loaded = dict[tuple[int, int], tuple[dict[str, torch.Tensor], dict[int, str]] | None]
+"""(stage, replica) -> a round's verified checkpoint as (its consensus state, its tensors' group anchor
+digests), None where refused: each read once for all the groups it holds."""
+
+
+def _group_consensus(
+    store: ObjectStore, spec: RunSpec, assigned: list[Assignment], rnd: int | None
+) -> tuple[int, list[dict[str, torch.Tensor]]]:
+    """(round, one consensus state per layer group) of a run whose replicas differ in layer split. The
+    replicas' stages of one index hold different layers, so agreement is per layer group g (the trust rule
+    of `consensus_states`, per group): g counts at a round when two replicas' checkpoints of the stage
+    holding g in each (`spec.stage_of_group`), signed by two different nodes, each a signer of its own slot,
+    carry the same digest of g's anchor (`GROUP_ANCHOR_META`), and the tensors of one of them hold it. The
+    default round is the newest at which every group counts; a named round takes any valid checkpoint of
+    each group. Each (stage, replica) manifest and tensors object of a round is read once."""
+    signers = {stage: slot_signers(assigned, stage) for stage in range(spec.max_stages)}
+    quorum = 1 if rnd is not None or spec.replicas == 1 else 2
+    groups = range(len(spec.layer_groups()))
+    why: list[str] = []
+    seen: dict[tuple[int, int], Agreed] = {}
+    manifests: dict[tuple[int, int, int], SignedManifest | None] = {}
+
+    def manifest(stage: int, replica: int, r: int) -> SignedManifest | None:
+        if (stage, replica, r) not in manifests:
+            manifests[stage, replica, r] = _manifest(store, spec, stage, replica, r, signers[stage], why)
+        return manifests[stage, replica, r]
+
+    def agreed(g: int, r: int) -> Agreed:
+        if (g, r) not in seen:
+            seen[g, r] = _group_agreed(spec, g, r, quorum, manifest, why)
+        return seen[g, r]
+
+    for r in _rounds_to_try(spec, rnd, lambda r: all(agreed(g, r) for g in groups)):
+        loaded: Loaded = {}
+        states = []
+        for g in groups:
+            state = _read_group(store, spec, g, r, signers, agreed(g, r), loaded, why)
+            if state is None:
+                break
+            states.append(state)
+        if len(states) == len(groups):
+            return r, states
+    raise _none_agreed(spec.run_id, "layer group", quorum, why)
+
+
+def _group_name(spec: RunSpec, g: int) -> str:
+    a, b = spec.layer_groups()[g]
+    return f"layer group {g} (layers {a}-{b - 1})"
+
+
+def _manifest(
+    store: ObjectStore,
+    spec: RunSpec,
+    stage: int,
+    replica: int,
+    rnd: int,
+    signers: dict[int, set[bytes]],
+    why: list[str],
+) -> SignedManifest | None:
+    """`replica`'s verified manifest of `stage` at `rnd`, signed by a signer of its slot and for the round's
+    step; None (a reason in `why` unless there is none)."""
+    where = f"round {rnd} stage {stage} replica {replica}"
+    try:
+        m = read_manifest(
+            store,
+            run_id=spec.run_id,
+            stage=stage,
+            replica=replica,
+            round=rnd,
+            trusted=signers.get(replica, set()),
+        )
+    except CheckpointMissing:
+        return None
+    except CheckpointRefused as e:
+        why.append(f"{where}: {e}")
+        return None
+    if m.manifest.step != checkpoint_step(spec, rnd):
+        why.append(f"{where}: manifest is for step {m.manifest.step}")
+        return None
+    return m
+
+
+def _group_agreed(
+    spec: RunSpec,
+    g: int,
+    rnd: int,
+    quorum: int,
+    manifest: Callable[[int, int, int], SignedManifest | None],
+    why: list[str],
+) -> Agreed:
+    """The digests of layer group `g`'s anchor at `rnd` that `quorum` replicas' manifests (of the stage
+    holding g in each) sign, by as many different nodes, most signers first; with quorum 1 every valid
+    manifest is in one entry (digest None). No tensors read. Reasons go to `why`, naming the group."""
+    where = f"round {rnd} {_group_name(spec, g)}"
+    found: dict[str | None, list[tuple[int, SignedManifest]]] = {}
+    for replica in range(spec.replicas):
+        m = manifest(spec.stage_of_group(replica, g), replica, rnd)
+        if m is not None:
+            found.setdefault(m.group_anchor_sha256(g) if quorum > 1 else None, []).append((replica, m))
+    return _with_quorum(found, quorum, where, why)
+
+
+def _read_group(
+    store: ObjectStore,
+    spec: RunSpec,
+    g: int,
+    rnd: int,
+    signers: dict[int, dict[int, set[bytes]]],
+    agreed: Agreed,
+    loaded: Loaded,
+    why: list[str],
+) -> dict[str, torch.Tensor] | None:
+    """Layer group `g`'s consensus state at `rnd`: its parameters from the first agreed checkpoint whose
+    tensors verify and hold the digest of g its entry signs (one already read for another group first);
+    None (reasons in `why`)."""
+    for digest, group in agreed:
+        slots = sorted(((spec.stage_of_group(r, g), r), m) for r, m in group)
+        for (stage, replica), m in sorted(slots, key=lambda sm: sm[0] not in loaded):
+            if (stage, replica) not in loaded:
+                loaded[stage, replica] = _read_stage(store, spec, stage, replica, rnd, signers[stage], m, why)
+            got = loaded[stage, replica]
+            if got is None:
+                continue
+            state, digests = got
+            if digest is not None and digests.get(g) != digest:
+                why.append(
+                    f"round {rnd} stage {stage} replica {replica}: its tensors do not hold the anchor of "
+                    f"{_group_name(spec, g)} its manifest signs"
+                )
+                continue
+            return {name: t for name, t in state.items() if param_group(spec, name) == g}
+    return None
+
+
+def _read_stage(
+    store: ObjectStore,
+    spec: RunSpec,
+    stage: int,
+    replica: int,
+    rnd: int,
+    signers: dict[int, set[bytes]],
+    m: SignedManifest,
+    why: list[str],
+) -> tuple[dict[str, torch.Tensor], dict[int, str]] | None:
+    """The checkpoint `m` names, verified (pinned to `m`): (its consensus state, its group anchor digests)."""
+    try:
+        ck = read_round(
+            store,
+            run_id=spec.run_id,
+            stage=stage,
+            replica=replica,
+            round=rnd,
+            trusted=signers.get(replica, set()),
+            manifest_sha256=m.sha256,
+        )
+    except CheckpointRefused as e:
+        why.append(f"round {rnd} stage {stage} replica {replica}: {e}")
+        return None
+    return stage_state(ck.tensors), group_anchor_sha256(spec, ck.tensors)

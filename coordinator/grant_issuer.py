@@ -53,9 +53,9 @@ class _Issued:
     seq: int = 0
 
 
-def checkpoint_parts(spec: RunSpec, stage: int, part_bytes: int) -> int:
+def checkpoint_parts(spec: RunSpec, stage: int, part_bytes: int, replica: int | None = None) -> int:
     """Parts a stage's checkpoint grant holds: ceil(1.5 x estimated bytes / part_bytes) + 1."""
-    estimate = stage_params(spec, stage) * 4 * CKPT_TENSORS_PER_PARAM
+    estimate = stage_params(spec, stage, replica) * 4 * CKPT_TENSORS_PER_PARAM
     return math.ceil(CKPT_MARGIN * estimate / part_bytes) + 1
 
 
@@ -138,16 +138,17 @@ class GrantIssuer:
         rid, term = spec.run_id, run.lease.lease.term
         last = min(first + WINDOW, spec.rounds + 1)  # fragment rounds 0..rounds-1, checkpoints 1..rounds
         every = spec.sync.checkpoint_every
-        puts = [
-            keys.primary_fragment_key(rid, stage, f, rnd, replica, advert.peer_id)
+        puts = [  # fragments are keyed by layer group: the stage's groups in the replica's split
+            keys.primary_fragment_key(rid, g, f, rnd, replica, advert.peer_id)
             for rnd in range(first, min(last, spec.rounds))
+            for g in spec.groups_of(replica, stage)
             for f in range(spec.sync.P)
         ]
         ckpt_rounds = [rnd for rnd in range(max(first, 1), last) if every > 0 and rnd % every == 0]
         puts += [keys.ckpt_manifest_key(rid, rnd=rnd, stage=stage, replica=replica) for rnd in ckpt_rounds]
         puts += [keys.ckpt_tensors_key(rid, rnd=rnd, stage=stage, replica=replica) for rnd in ckpt_rounds]
         puts.append(keys.report_key(rid, replica, stage))
-        parts = checkpoint_parts(spec, stage, self.part_bytes)
+        parts = checkpoint_parts(spec, stage, self.part_bytes, replica)
         uploads: list[MultipartGrant] = []
         if parts > 2:  # the estimate exceeds a part: one PUT would do otherwise
             uploads = [

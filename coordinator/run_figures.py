@@ -24,7 +24,8 @@ from collections.abc import Mapping
 from dataclasses import asdict, dataclass, field, replace
 
 from coordinator.placement import CostModel, Placement, placement_layout
-from coordinator.plan.planner import Prediction, figures
+from coordinator.plan.layout_classes import RunPrediction, layout_classes
+from coordinator.plan.planner import Prediction, placed_figures
 from protocol.messages import NodeAdvert
 from protocol.runspec import RunSpec
 
@@ -85,7 +86,7 @@ class CumulativeCounters:
         return self._banked[name] + sum(c.get(name, 0) for c in self._last.values())
 
 
-def prediction_view(p: Prediction) -> dict:
+def prediction_view(p: Prediction | RunPrediction) -> dict:
     """The planner's prediction for a placement as the coordinator publishes it (`/api/runs/RUN`
     "prediction"): what the dashboard shows and crucible-swarm prints."""
     return {
@@ -103,7 +104,7 @@ def _mean(xs: list[float]) -> float | None:
 
 def sample(spec: RunSpec, placement: Placement, adverts: Mapping[str, NodeAdvert], cost: CostModel) -> Sample:
     """The run's figures now (nodes whose advert is missing or for another run count as not training)."""
-    rid, S = spec.run_id, spec.stages
+    rid = spec.run_id
     mine = {
         slot: a
         for slot, peer in placement.slots.items()
@@ -116,7 +117,7 @@ def sample(spec: RunSpec, placement: Placement, adverts: Mapping[str, NodeAdvert
     tps = 0.0
     losses, vals = [], []
     for r in replicas:
-        stages = [mine.get((r, s)) for s in range(S)]
+        stages = [mine.get((r, s)) for s in range(spec.stages_of(r))]
         if any(a is not None and a.state == "training" for a in stages):
             tps += max(a.tokens_per_s for a in stages if a is not None)
         last = stages[-1]
@@ -125,7 +126,13 @@ def sample(spec: RunSpec, placement: Placement, adverts: Mapping[str, NodeAdvert
         if last is not None and last.val_bpb is not None:
             vals.append(last.val_bpb)
     try:
-        fig = figures(cost.shape, placement_layout(placement, adverts, cost), cost.settings, tps)
+        hosts = [
+            h
+            for c in layout_classes(spec)
+            for rep in placement_layout(c.local(placement), adverts, CostModel.from_spec(c.spec)).replicas
+            for h in rep
+        ]  # each replica as its own split places it (one class: the run's)
+        fig = placed_figures(cost.shape, hosts, cost.settings, tps)
         mfu, tax, usd = fig.effective_mfu, fig.tax, fig.usd_per_mtok
     except ValueError:  # a placed node's advert is gone (churn): no peak to divide by this time
         mfu, tax, usd = 0.0, 1.0, None

@@ -15,11 +15,8 @@ from coordinator.placement import (
     PlacementError,
     choose_boundary_k,
     choose_layer_split,
-    place,
-    predict_placement,
-    repair,
-    stage_needs,
 )
+from coordinator.plan.layout_classes import place_run, predict_run, repair_run
 from coordinator.run_figures import prediction_view
 from coordinator.run_publisher import RunPublisher
 from protocol.checkpoint import list_rounds
@@ -77,7 +74,9 @@ class RunPlacer:
         run.placement = Placement({(a.replica, a.stage): a.peer_id for a in mine})
         run.epoch = max(a.epoch for a in mine)
         # replicas that dropped out: placed, but left out of the stage_peers of the newest assignments
-        listed = {int(r) for a in mine if a.epoch == run.epoch for r in a.stage_peers}
+        newest = [a for a in mine if a.epoch == run.epoch]
+        listed = {int(r) for a in newest for r in a.stage_peers}
+        listed |= {int(r) for a in newest for by in a.group_peers.values() for r in by}
         run.dropped = {r for r, _ in run.placement.slots} - listed
         run.former = former_of(mine, include_holders=False)
         log.info(
@@ -94,9 +93,7 @@ class RunPlacer:
         spec = run.record.spec
         free = free_nodes(adverts, self.runs.values())
         try:
-            run.placement = place(
-                free, spec.replicas, spec.stages, need_bytes=stage_needs(spec), cost=CostModel.from_spec(spec)
-            )
+            run.placement = place_run(free, spec)  # by layout class where the replicas' splits differ
         except PlacementError as e:  # pending, saying why (nodes may join later: then it starts)
             self.publisher.set_reason(run, f"waiting for nodes: {e}; it starts when enough join")
             return
@@ -129,8 +126,7 @@ class RunPlacer:
         spec, pl = run.record.spec, run.placement
         assert pl is not None
         try:
-            cost = CostModel.from_spec(spec)
-            p = predict_placement(pl, adverts, cost)
+            p = predict_run(spec, pl, adverts)
         except (ValueError, KeyError) as e:  # an advert gone since placement: nothing to predict from
             log.info("run %s: no prediction: %s", spec.run_id, e)
             return
@@ -189,14 +185,7 @@ class RunPlacer:
         free = free_nodes(adverts, self.runs.values())
         alive = {p for p in pl.slots.values() if p not in gone}
         try:
-            new_pl, holes = repair(
-                pl,
-                alive,
-                free,
-                need_bytes=stage_needs(run.record.spec),
-                cost=CostModel.from_spec(run.record.spec),
-                adverts=adverts,
-            )
+            new_pl, holes = repair_run(run.record.spec, pl, alive, free, adverts)
         except PlacementError as e:
             note = f"cannot rebuild replicas {sorted(broken)} yet: {e}"
             if note != run.rebuild_note:  # once per change (the tick retries every second)

@@ -98,16 +98,22 @@ class RunPublisher:
         consensus checkpoint (start_step -1), the others keep their start step."""
         spec, pl = run.record.spec, run.placement
         assert pl is not None
-        ranges = spec.layer_ranges()
+        live = [rr for rr in range(spec.replicas) if rr not in run.dropped]
 
         def ep(r: int, s: int) -> Endpoint | None:
-            if not 0 <= s < spec.stages:
+            if not 0 <= s < spec.stages_of(r):
                 return None
             return adverts[pl.peer(r, s)].endpoint
+
+        def former(rr: int, s: int) -> list[str]:
+            return run.former.get((rr, s), [])[-MAX_FORMER_PEERS:]
 
         old_start = {(a.replica, a.stage): a.start_step for a in run.assignments.values()}
         for r, s in sorted(slots):
             peer = pl.peer(r, s)
+            ranges = spec.layer_ranges(r)
+            same = [rr for rr in live if spec.layer_ranges(rr) == ranges]  # this stage's layers in theirs
+            groups = spec.groups_of(r, s) if spec.mixed_layout else []
             a = Assignment(
                 run_id=spec.run_id,
                 term=run.lease.lease.term,
@@ -119,15 +125,27 @@ class RunPublisher:
                 prev=ep(r, s - 1),
                 next=ep(r, s + 1),
                 spec=spec,
-                stage_peers={str(rr): pl.peer(rr, s) for rr in range(spec.replicas) if rr not in run.dropped},
+                stage_peers={str(rr): pl.peer(rr, s) for rr in same},
                 start_step=-1 if r in (resume_replicas or ()) else old_start.get((r, s), 0),
                 issued_at=dht_time(),
                 former_stage_peers={
-                    str(rr): run.former[(rr, s)][-MAX_FORMER_PEERS:]
+                    str(rr): former(rr, s)
                     for rr in range(spec.replicas)
-                    if run.former.get((rr, s))
+                    if former(rr, s) and spec.layer_ranges(rr) == ranges
                 },
                 certificate=self.certificate,
+                # replicas of other splits: each layer group's signer is whoever holds it there
+                group_peers={
+                    str(g): {str(rr): pl.peer(rr, spec.stage_of_group(rr, g)) for rr in live} for g in groups
+                },
+                former_group_peers={
+                    str(g): {
+                        str(rr): f
+                        for rr in range(spec.replicas)
+                        if (f := former(rr, spec.stage_of_group(rr, g)))
+                    }
+                    for g in groups
+                },
             )
             run.assignments[peer] = a
         self.archive_and_publish(run)

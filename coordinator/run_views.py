@@ -67,7 +67,7 @@ def run_view(
     if run is not None and run.placement is not None:
         for r in range(spec.replicas):
             row: list[dict | None] = []
-            for s in range(spec.stages):
+            for s in range(spec.stages_of(r)):
                 peer = run.placement.slots.get((r, s))
                 a = adverts.get(peer) if peer else None
                 on_run = a is not None and a.run_id == spec.run_id
@@ -97,7 +97,7 @@ def run_view(
         "dashboard": rec.dashboard,
         "led_here": run is not None,
         "replicas": spec.replicas,
-        "stages": spec.stages,
+        "stages": spec.max_stages,
         "batches": [spec.batch_of(r) for r in range(spec.replicas)],  # sequences a step ([[shapes]])
         "total_steps": spec.train.total_steps,
         "sync": spec.sync.method,

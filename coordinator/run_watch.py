@@ -32,7 +32,7 @@ def dropped_summary(run: ManagedRun) -> str:
     pl = run.placement
     why: dict[int, list[str]] = {}
     for r in sorted(run.dropped_out()):
-        for s in range(run.record.spec.stages):
+        for s in range(run.record.spec.stages_of(r)):
             peer = pl.slots.get((r, s)) if pl else None
             if peer and run.failures.get(peer):
                 why.setdefault(r, []).append(f"node {peer[-8:]}: {run.failures[peer][-1][1]}")

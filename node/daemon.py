@@ -542,7 +542,7 @@ class NodeDaemon:
             and self._worker_thread.is_alive()
         ):
             # only other replicas' signers changed (one was rebuilt after churn): keep training
-            self._worker.update_stage_peers(a.stage_peers, a.former_stage_peers)
+            self._worker.update_stage_peers(a)
             self.assignment = a
             log.info(
                 "run %s: epoch %d updates the other replicas' signers; training goes on", a.run_id, a.epoch

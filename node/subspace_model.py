@@ -29,6 +29,7 @@ state to reshape). The price is these two calls, two thin (d x k) matmuls per co
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Literal
 
@@ -37,6 +38,7 @@ import torch
 from node.model import Stage
 from protocol.codecs.subspace import (
     ActivationCodec,
+    Layout,
     SubspaceBoundary,
     SubspacePlan,
     basis,
@@ -64,15 +66,19 @@ def constrain_stage(
     pipeline_spec: PipelineSpec,
     ranges: list[tuple[int, int]],
     stage_index: int | None = None,
+    *,
+    layouts: Sequence[Layout] = (),
 ) -> SubspacePlan:
     """Attach U (buffer `subspace_U`, (d, k_max)) and T (buffer `token_table`, (V, d): the first stage then
     embeds E[x] + T[x]), record which weights are confined to which span, and project them (init).
 
     stage_index: this stage's index in `ranges`; None for a reference model holding several stages of
     the split (e.g. the whole model in one piece), constrained exactly as its pieces would be.
-    A pipeline with only dense links is left untouched. Call once, after building the stage.
+    layouts: every replica shape's (ranges, link_k) of the run (`RunSpec.layouts`): the spans are the
+    model's, the same whatever shape holds the layer. A run with only dense links is left untouched.
+    Call once, after building the stage.
     """
-    plan = subspace_plan(model_spec, pipeline_spec, ranges)
+    plan = subspace_plan(model_spec, pipeline_spec, ranges, layouts=layouts)
     if stage_index is not None and (stage.start, stage.end) != tuple(ranges[stage_index]):
         raise ValueError(
             f"stage holds layers [{stage.start}, {stage.end}), ranges[{stage_index}] is {ranges[stage_index]}"

@@ -13,6 +13,7 @@ import threading
 import time
 from collections.abc import Callable
 from dataclasses import asdict, dataclass, field
+from typing import TypedDict
 
 import torch
 
@@ -41,6 +42,7 @@ from protocol.framing import encode_frame
 from protocol.identity import Identity
 from protocol.messages import Assignment, Hello
 from protocol.net.store import ObjectStore, StoreError
+from protocol.runspec import RunSpec
 from protocol.trust.delegation import OperatorTrust
 
 log = logging.getLogger(__name__)
@@ -87,6 +89,9 @@ class WorkerMetrics:
     """Replica -> the tokens its contribution to the last round this stage applied claimed (signed, bounded
     by its shape; late parts summed in): what sync.weighting = "tokens" weighs it by."""
     weights_sha256: str = ""
+    group_sha256: dict[str, str] = field(default_factory=dict)
+    """Layer group -> sha256 of this stage's final weights of that group (`group_digests`): equal in every
+    replica, whatever its split, when the consensus is."""
     anchor_round: int = -1
     """The last round whose consensus anchor this stage checkpointed, and its sha256 (every replica's
     stage shows the same digest for the same round)."""
@@ -104,6 +109,33 @@ class WorkerMetrics:
         return asdict(self)
 
 
+class GroupSigners(TypedDict):
+    group_peers: dict[int, dict[int, str]] | None
+    former_group_peers: dict[int, dict[int, set[str]]] | None
+
+
+def group_signers(a: Assignment) -> GroupSigners:
+    """The signers of each of the stage's layer groups by replica, from `a` (None where the run's
+    replicas share one split: the stage's signers are each group's)."""
+    if not a.group_peers:
+        return GroupSigners(group_peers=None, former_group_peers=None)
+    return GroupSigners(
+        group_peers={int(g): {int(r): p for r, p in by.items()} for g, by in a.group_peers.items()},
+        former_group_peers={
+            int(g): {int(r): set(ps) for r, ps in a.former_group_peers.get(g, {}).items()}
+            for g in a.group_peers
+        },
+    )
+
+
+def group_params(spec: RunSpec, names: list[str]) -> dict[int, list[int]]:
+    """Layer group -> indices into `names` (the stage's parameters, in order) of its parameters."""
+    out: dict[int, list[int]] = {}
+    for i, name in enumerate(names):
+        out.setdefault(spec.group_of_param(name), []).append(i)
+    return out
+
+
 def weights_digest(module: torch.nn.Module) -> str:
     """sha256 over the state dict's fp32 bytes in name order, wherever the tensors live."""
     h = hashlib.sha256()
@@ -111,6 +143,17 @@ def weights_digest(module: torch.nn.Module) -> str:
         h.update(name.encode())
         h.update(p.detach().float().cpu().contiguous().numpy().tobytes())
     return h.hexdigest()
+
+
+def group_digests(spec: RunSpec, tensors: dict[str, torch.Tensor]) -> dict[str, str]:
+    """Layer group -> `weights_digest` of its tensors alone (by global name): comparable across replicas
+    of different splits, unlike a stage's digest."""
+    hs: dict[int, hashlib._Hash] = {}
+    for name, p in sorted(tensors.items()):
+        h = hs.setdefault(spec.group_of_param(name), hashlib.sha256())
+        h.update(name.encode())
+        h.update(p.detach().float().cpu().contiguous().numpy().tobytes())
+    return {str(g): h.hexdigest() for g, h in sorted(hs.items())}
 
 
 @dataclass
@@ -246,16 +289,18 @@ class StageWorker:
             if link is not None:
                 link.close()
 
-    def update_stage_peers(
-        self, stage_peers: dict[str, str], former: dict[str, list[str]] | None = None
-    ) -> None:
-        """A replica elsewhere was rebuilt with a new node: trust its signer from now on (no restart); the
-        node it replaced stays a signer of the rounds it took part in. Checkpoints bind each to its slot."""
-        self.checkpoints.set_stage_peers(stage_peers, former)
+    def update_stage_peers(self, a: Assignment) -> None:
+        """A replica elsewhere was rebuilt with a new node (`a`: our newer assignment): trust its signer from
+        now on (no restart); the node it replaced stays a signer of the rounds it took part in. Checkpoints
+        bind each to its slot."""
+        self.checkpoints.set_stage_peers(
+            a.stage_peers, a.former_stage_peers, a.group_peers, a.former_group_peers
+        )
         if self.sync is not None:
             self.sync.set_stage_peers(
-                {int(r): p for r, p in stage_peers.items()},
-                {int(r): set(p) for r, p in (former or {}).items()},
+                {int(r): p for r, p in a.stage_peers.items()},
+                {int(r): set(p) for r, p in a.former_stage_peers.items()},
+                **group_signers(a),
             )
 
     # --- the loop ---------------------------------------------------------------------------------
@@ -271,6 +316,7 @@ class StageWorker:
             if result == "done":
                 self._evaluate(st.pipe, m.step, st.val)
                 m.weights_sha256 = weights_digest(st.module)
+                m.group_sha256 = group_digests(self.spec, st.module.state_dict())
                 self._report()
         finally:
             self._close_links()
@@ -285,11 +331,13 @@ class StageWorker:
         closed link, not at a timeout."""
         a, spec, m = self.a, self.spec, self.m
         torch.manual_seed(spec.model.init_seed)
-        ranges = spec.layer_ranges()
+        ranges = spec.layer_ranges(a.replica)
         # built, constrained and resumed on the CPU: every replica starts bit-identical whatever its device
         module = build_stage(spec.model, ranges, a.stage)
-        # subspace links (DESIGN section 4): keep the residual stream in span(U) + T[x] so k-wide is exact
-        constrain_stage(module, spec.model, spec.pipeline, ranges, a.stage)
+        # subspace links (DESIGN section 4): keep the residual stream in span(U) + T[x] so k-wide is exact;
+        # the spans are the model's, the same in every replica's split
+        pipeline = spec.pipeline_of(a.replica)
+        constrain_stage(module, spec.model, pipeline, ranges, a.stage, layouts=spec.layouts())
         precision = resolve_precision(spec.train.precision, self.device)
         m.state, m.total_steps = "training", spec.train.total_steps
         m.device, m.precision = describe(self.device), precision
@@ -304,11 +352,11 @@ class StageWorker:
                 project_weights_(module)
             prepare_stage(module, self.device, precision, compile=self.compile)
             log.info("run %s r%d/s%d trains on %s in %s", a.run_id, a.replica, a.stage, m.device, precision)
-            codec_in, codec_out = boundary_codecs(module, spec.model, spec.pipeline, ranges, a.stage)
+            codec_in, codec_out = boundary_codecs(module, spec.model, pipeline, ranges, a.stage)
             first = a.stage == 0
             # the first stage reads the corpus (its hash checked), the last counts text bytes per token
             corpus = self.data.corpus(spec.train, spec.model.vocab) if first else None
-            if a.stage == spec.stages - 1:
+            if a.stage == len(ranges) - 1:
                 self._token_bytes = self.data.token_bytes(spec.train, spec.model.vocab)
             val = (
                 corpus.val_batches(spec.train.eval_batches, spec.train.batch_size, spec.model.seq_len)
@@ -324,7 +372,7 @@ class StageWorker:
             pipe = PipelineStage(
                 module,
                 stage=a.stage,
-                n_stages=spec.stages,
+                n_stages=len(ranges),
                 prev=self.prev,
                 next=self.next,
                 codec_in=codec_in,
@@ -342,8 +390,9 @@ class StageWorker:
         """The stage's round owner, with the codec, aggregation and schedule the run's [sync] selects."""
         a, spec = self.a, self.spec
         parts = make_sync_parts(spec, self.identity)
+        names = [n for n, _ in module.named_parameters()]
         local = LocalState(
-            names=[n for n, _ in module.named_parameters()],
+            names=names,
             tensors=lambda: {
                 **{f"model.{k}": v for k, v in module.state_dict().items()},
                 **optimizer_tensors(module, opt),
@@ -361,6 +410,8 @@ class StageWorker:
             replica=a.replica,
             stage_peers={int(r): p for r, p in a.stage_peers.items()},
             former_stage_peers={int(r): set(p) for r, p in a.former_stage_peers.items()},
+            groups=group_params(spec, names),
+            **group_signers(a),
             schedule=spec.sync.schedule(),
             alpha=spec.sync.alpha,
             momentum=parts.momentum,

@@ -32,7 +32,10 @@ is decided by the readers (node/sync/stage_checkpoints.py, coordinator/export.py
 `slot_signers` (the nodes the signed assignments put in a slot), `checkpoint_rounds` (the rounds a run
 checkpoints at all), `newest_round` (a bisection over them: no LIST, junk folders cost nothing),
 `read_manifest` (check 2 without the tensors) and the anchor digest every writer puts in `meta`
-(`ANCHOR_META`), which two replicas' checkpoints of one round share.
+(`ANCHOR_META`), which two replicas' checkpoints of one round share. Replicas of different layer splits
+(`RunSpec.mixed_layout`) hold different layers in a stage of one index, so their whole-stage digests never
+match; their checkpoints also carry one digest per layer group the stage holds (`group_anchor_meta`), which
+every replica holding that group shares, whatever its split.
 """
 
 from __future__ import annotations
@@ -74,6 +77,10 @@ MAX_POINTER_BYTES = 4 << 10
 ANCHOR_META = "anchor_sha256"
 """The `meta` entry holding `anchor_sha256` of the checkpoint's tensors: replicas compare it across slots
 before a byte of the tensors moves."""
+GROUP_ANCHOR_META = "group_anchor_sha256"
+"""Prefix of the `meta` entries `{GROUP_ANCHOR_META}.{g}` holding `group_anchor_sha256(...)[g]` for each layer
+group g of the stage (mixed-layout runs). One entry per group, not one string of them all: a meta string
+holds at most 256 characters, three digests."""
 
 
 class CheckpointRefused(ProtocolError):
@@ -142,6 +149,12 @@ class SignedManifest:
         value = self.manifest.meta.get(ANCHOR_META)
         return value if isinstance(value, str) else None
 
+    def group_anchor_sha256(self, group: int) -> str | None:
+        """The digest of layer group `group`'s anchor its writer signed (`GROUP_ANCHOR_META`); None when
+        it signed none (a uniform run's checkpoint, a build before them, a group the stage does not hold)."""
+        value = self.manifest.meta.get(f"{GROUP_ANCHOR_META}.{group}")
+        return value if isinstance(value, str) else None
+
 
 # --- which slots and rounds count ------------------------------------------------------------------
 
@@ -208,8 +221,39 @@ def newest_round(rounds: Sequence[int], counts: Callable[[int], bool]) -> int | 
 def anchor_sha256(tensors: Mapping[str, torch.Tensor]) -> str:
     """sha256 over the "anchor.*" entries (the consensus, bit-identical on every replica at a round) in name
     order: each name, dtype, shape and bytes, wherever the tensors live."""
-    h = hashlib.sha256()
+    return _sha256_of(tensors, sorted(n for n in tensors if n.startswith("anchor.")))
+
+
+def param_group(spec: RunSpec, param: str) -> int | None:
+    """The layer group (`RunSpec.layer_groups`) of parameter `param` by its global name ("layers.3.attn.wq.
+    weight", "embed.weight"); None for a name no parameter of `spec`'s model has ("layers.x.w", "layers.99.w",
+    from a hostile or foreign checkpoint), rather than an exception."""
+    try:
+        return spec.group_of_param(param)
+    except (ValueError, StopIteration):
+        return None
+
+
+def group_anchor_sha256(spec: RunSpec, tensors: Mapping[str, torch.Tensor]) -> dict[int, str]:
+    """Layer group -> sha256 over that group's "anchor.*" entries, hashed as `anchor_sha256` hashes them (in
+    name order): the consensus of a group, bit-identical on every replica holding it whatever its layer split.
+    For a stage that holds one group and only parameters' anchors, that group's digest is `anchor_sha256`."""
+    names: dict[int, list[str]] = {}
     for name in sorted(n for n in tensors if n.startswith("anchor.")):
+        g = param_group(spec, name[len("anchor.") :])
+        if g is not None:
+            names.setdefault(g, []).append(name)
+    return {g: _sha256_of(tensors, group) for g, group in sorted(names.items())}
+
+
+def group_anchor_meta(spec: RunSpec, tensors: Mapping[str, torch.Tensor]) -> dict[str, str]:
+    """The `meta` entries carrying `group_anchor_sha256` (`GROUP_ANCHOR_META`), for a writer to add."""
+    return {f"{GROUP_ANCHOR_META}.{g}": h for g, h in group_anchor_sha256(spec, tensors).items()}
+
+
+def _sha256_of(tensors: Mapping[str, torch.Tensor], names: Iterable[str]) -> str:
+    h = hashlib.sha256()
+    for name in names:
         t = tensors[name].detach().to("cpu").contiguous()
         h.update(f"{name}|{t.dtype}|{tuple(t.shape)}|".encode())
         h.update(t.reshape(-1).view(torch.uint8).numpy().tobytes())

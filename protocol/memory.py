@@ -201,25 +201,28 @@ def layer_params(d_model: int, d_ff: int) -> int:
     return 4 * d_model * d_model + 3 * d_model * d_ff + 2 * d_model
 
 
-def stage_params(spec: RunSpec, stage: int) -> int:
-    """Parameters stage `stage` owns (and syncs): its layers, the embedding (V d) on the first stage,
-    the final norm (d) and the untied LM head (V d) on the last; sums to spec.model.n_params."""
-    return _stage_params(spec, stage)[0]
+def stage_params(spec: RunSpec, stage: int, replica: int | None = None) -> int:
+    """Parameters stage `stage` of `replica`'s split (None: the run's own) owns (and syncs): its layers,
+    the embedding (V d) on the first stage, the final norm (d) and the untied LM head (V d) on the last;
+    sums to spec.model.n_params."""
+    return _stage_params(spec, stage, replica)[0]
 
 
-def _stage_params(spec: RunSpec, stage: int) -> tuple[int, int]:
+def _stage_params(spec: RunSpec, stage: int, replica: int | None = None) -> tuple[int, int]:
     """(all parameters, parameters of matmul weights, the ones autocast casts) of one stage."""
-    if not 0 <= stage < spec.stages:
-        raise ValueError(f"stage {stage} is outside 0..{spec.stages - 1} of a {spec.stages}-stage run")
+    ranges = spec.layer_ranges(replica)
+    S = len(ranges)
+    if not 0 <= stage < S:
+        raise ValueError(f"stage {stage} is outside 0..{S - 1} of a {S}-stage replica")
     m = spec.model
     d, V = m.d_model, m.vocab
-    start, end = spec.layer_ranges()[stage]
+    start, end = ranges[stage]
     n = end - start
     params = n * layer_params(d, m.d_ff)
     matmul = n * (4 * d * d + 3 * d * m.d_ff)
     if stage == 0:
         params += V * d  # embedding: a lookup, never cast
-    if stage == spec.stages - 1:
+    if stage == S - 1:
         params += d + V * d  # final norm + LM head
         matmul += V * d
     return params, matmul
@@ -270,18 +273,19 @@ class StageMemory:
 
 
 def stage_memory(spec: RunSpec, stage: int, precision: str, replica: int | None = None) -> StageMemory:
-    """Estimated peak memory of stage `stage` of `spec`'s `replica` (None: the most any replica's shape
-    needs) trained in `precision` ("fp32" or "bf16").
+    """Estimated peak memory of stage `stage` of `spec`'s `replica` (None: of the run's own split, with the
+    most microbatches any replica runs) trained in `precision` ("fp32" or "bf16").
 
     Microbatch: b = train.batch_size / train.microbatches sequences of L = model.seq_len tokens; in flight:
     `in_flight(S, stage, pipeline.extra_in_flight, M)` with the replica's M (`RunSpec.microbatches_of`);
     outer state from [sync] (method, tau, P, H, outer_momentum)."""
     _check_precision(precision)
     m, sync = spec.model, spec.sync
-    params, matmul = _stage_params(spec, stage)
-    start, end = spec.layer_ranges()[stage]
+    params, matmul = _stage_params(spec, stage, replica)
+    ranges = spec.layer_ranges(replica)
+    start, end = ranges[stage]
     each = range(spec.replicas) if replica is None else [replica]
-    S, M = spec.stages, max(spec.microbatches_of(r) for r in each)
+    S, M = len(ranges), max(spec.microbatches_of(r) for r in each)
     alive = in_flight(S, stage, spec.pipeline.extra_in_flight, M)
     t = BYTES_PER_PARAM
     share = captured_share(sync.H, sync.P, sync.tau)

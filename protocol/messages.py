@@ -242,6 +242,13 @@ class Assignment:
     certificate: bytes = b""
     """The signer's certificate (a Delegation sealed by the operator's key, protocol/trust/delegation.py) when a
     coordinator key signed this; empty when the operator's key signed it itself."""
+    group_peers: dict[str, dict[str, str]] = field(default_factory=dict)
+    """Layer group (`RunSpec.layer_groups`, as a string) -> replica -> the peer whose stage holds that
+    group in that replica: the signer of the group's fragments. Set for each group of this stage when the
+    run's replicas differ in layer split (`RunSpec.mixed_layout`); empty otherwise, where each group's
+    signers are `stage_peers` (which then name only replicas of this one's split)."""
+    former_group_peers: dict[str, dict[str, list[str]]] = field(default_factory=dict)
+    """As `former_stage_peers`, per layer group (with `group_peers`)."""
 
     def __post_init__(self) -> None:
         check_run_id("Assignment.run_id", self.run_id)
@@ -255,7 +262,7 @@ class Assignment:
         check_range("Assignment.epoch", self.epoch, 0, MAX_COUNT)
         _check_text("Assignment.peer_id", self.peer_id, empty_ok=False)
         check_range("Assignment.replica", self.replica, -1, self.spec.replicas - 1)
-        check_range("Assignment.stage", self.stage, -1, self.spec.stages - 1)  # -1: released
+        check_range("Assignment.stage", self.stage, -1, self.spec.stages_of(self.replica) - 1)  # -1: released
         if self.stage >= 0 and not (
             len(self.layers) == 2 and 0 <= self.layers[0] < self.layers[1] <= self.spec.model.n_layers
         ):
@@ -281,6 +288,30 @@ class Assignment:
             check_range(f"Assignment.former_stage_peers[{r}] length", len(peers), 0, MAX_FORMER_PEERS)
             for peer in peers:
                 _check_text(f"Assignment.former_stage_peers[{r}]", peer, empty_ok=False)
+        self._check_groups()
+
+    def _check_groups(self) -> None:
+        mine = set(self.spec.groups_of(self.replica, self.stage)) if self.stage >= 0 else set()
+        for where, table in (
+            ("group_peers", self.group_peers),
+            ("former_group_peers", self.former_group_peers),
+        ):
+            for g, by_replica in table.items():
+                if not (g.isdecimal() and len(g) <= 6 and int(g) in mine):
+                    raise ValueError(
+                        f"Assignment.{where} key {describe(g)} must be a layer group of this stage "
+                        f"({sorted(mine)})"
+                    )
+                for r, peers in by_replica.items():
+                    if not (r.isdecimal() and len(r) <= 6 and int(r) < self.spec.replicas):
+                        raise ValueError(
+                            f"Assignment.{where}[{g}] key {describe(r)} must be a replica index below "
+                            f"replicas={self.spec.replicas}"
+                        )
+                    names = [peers] if isinstance(peers, str) else peers
+                    check_range(f"Assignment.{where}[{g}][{r}] length", len(names), 0, MAX_FORMER_PEERS)
+                    for peer in names:
+                        _check_text(f"Assignment.{where}[{g}][{r}]", peer, empty_ok=False)
 
 
 @dataclass(kw_only=True, frozen=True)

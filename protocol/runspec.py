@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import re
 import tomllib
-from dataclasses import dataclass, field, fields
+from dataclasses import dataclass, field, fields, replace
 from pathlib import Path
 from typing import Any, Literal
 
@@ -288,12 +288,22 @@ class ReplicaShape:
 
     replicas: list[int]
     """The replicas (0..R-1) of this shape; each in at most one table."""
-    microbatches: int
+    microbatches: int = 0
     """Microbatches per inner step of these replicas, of the run's microbatch size
-    (train.batch_size / train.microbatches sequences): their batch is microbatches x that."""
+    (train.batch_size / train.microbatches sequences): their batch is microbatches x that (0: the run's
+    train.microbatches)."""
+    stages: int = 0
+    """Pipeline stages of these replicas (0: the run's): a site of larger GPUs holds its replica in fewer."""
+    layer_split: list[int] = field(default_factory=list)
+    """Layers per stage of these replicas (empty: the run's layer_split when their stage count is the
+    run's, else as even as possible)."""
+    link_k: list[int] = field(default_factory=list)
+    """Subspace width of each of their stage boundaries (empty: the run's pipeline.link_k when their stage
+    count is the run's, else dense)."""
 
     def __post_init__(self) -> None:
-        check_range("shapes.microbatches", self.microbatches, 1, 1 << 16)
+        check_range("shapes.microbatches", self.microbatches, 0, 1 << 16)
+        check_range("shapes.stages", self.stages, 0, 1 << 12)
         if not self.replicas:
             raise ValueError("a [[shapes]] table needs replicas = [...] (example: replicas = [2, 3])")
 
@@ -320,8 +330,10 @@ class RunSpec:
     """Let the coordinator choose layer_split at the run's first placement from the placed nodes'
     measured speed and memory (the slowest node of each stage over the replicas; then fixed)."""
     shapes: list[ReplicaShape] = field(default_factory=list)
-    """Replicas whose shape differs from the run's ([[shapes]] tables; issue 22): today their microbatch
-    count, so a replica of faster GPUs runs a larger batch; the aggregate weighs each by its tokens."""
+    """Replicas whose shape differs from the run's ([[shapes]] tables): their microbatch count (a replica
+    of faster GPUs runs a larger batch; the aggregate weighs each by its tokens), their stage count, layer
+    split and link widths (a replica of larger GPUs holds the model in fewer stages). Replicas of any
+    shape exchange the same layer groups (`layer_groups`)."""
 
     def __post_init__(self) -> None:
         check_run_id("run_id", self.run_id)
@@ -342,6 +354,15 @@ class RunSpec:
             )
         if self.replicas <= 0 or self.stages <= 0:
             raise ValueError(f"replicas={self.replicas} and stages={self.stages} must be positive")
+        for sh in self.shapes:
+            self._check_shape(sh)
+        if (self.layer_split_auto or self.pipeline.link_k_auto) and any(
+            sh.stages or sh.layer_split or sh.link_k for sh in self.shapes
+        ):
+            raise ValueError(
+                "layer_split_auto and pipeline.link_k_auto choose one split for every replica: with "
+                "[[shapes]] of their own stages, layer_split or link_k, state those instead"
+            )
         check_range("replicas", self.replicas, 1, 1 << 16)  # messages.MAX_REPLICAS
         check_range("eval_every", self.eval_every, 0, MAX_STEPS)
         most = max(self.round_tokens_bound(r) for r in range(self.replicas))
@@ -366,16 +387,104 @@ class RunSpec:
             if not 0 < k <= self.model.d_model:
                 raise ValueError(f"pipeline.link_k value {k} must be in 1..d_model={self.model.d_model}")
 
+    def _check_shape(self, sh: ReplicaShape) -> None:
+        stages, n, d = sh.stages or self.stages, self.model.n_layers, self.model.d_model
+        where = f"[[shapes]] of replicas {sh.replicas}"
+        if stages > n:
+            raise ValueError(f"{where}: stages={stages} exceeds model.n_layers={n}")
+        if sh.layer_split and (
+            len(sh.layer_split) != stages or min(sh.layer_split) < 1 or sum(sh.layer_split) != n
+        ):
+            raise ValueError(
+                f"{where}: layer_split={sh.layer_split} must hold stages={stages} values >= 1 summing to "
+                f"model.n_layers={n}"
+            )
+        if sh.link_k and len(sh.link_k) != stages - 1:
+            raise ValueError(
+                f"{where}: link_k has {len(sh.link_k)} values; {stages} stages have {stages - 1} links"
+            )
+        if any(not 0 < k <= d for k in sh.link_k):
+            raise ValueError(f"{where}: link_k values {sh.link_k} must be in 1..d_model={d}")
+
     @property
     def rounds(self) -> int:
         return self.train.total_steps // self.sync.H
 
-    def microbatches_of(self, replica: int) -> int:
-        """M of `replica`: its [[shapes]] table's, else train.microbatches."""
+    def shape_of(self, replica: int) -> ReplicaShape | None:
+        """`replica`'s [[shapes]] table, None for a replica of the run's own shape."""
         for sh in self.shapes:
             if replica in sh.replicas:
-                return sh.microbatches
-        return self.train.microbatches
+                return sh
+        return None
+
+    def microbatches_of(self, replica: int) -> int:
+        """M of `replica`: its [[shapes]] table's, else train.microbatches."""
+        sh = self.shape_of(replica)
+        return sh.microbatches if sh is not None and sh.microbatches else self.train.microbatches
+
+    def stages_of(self, replica: int) -> int:
+        """S of `replica`: its [[shapes]] table's, else the run's `stages`."""
+        sh = self.shape_of(replica)
+        return sh.stages if sh is not None and sh.stages else self.stages
+
+    def link_k_of(self, replica: int) -> list[int]:
+        """`replica`'s boundary widths (S_r - 1 values, or empty: dense)."""
+        sh = self.shape_of(replica)
+        if sh is not None and (sh.link_k or self.stages_of(replica) != self.stages):
+            return list(sh.link_k)
+        return list(self.pipeline.link_k)
+
+    def pipeline_of(self, replica: int) -> PipelineSpec:
+        """The [pipeline] section as `replica`'s links see it (its own link_k)."""
+        return replace(self.pipeline, link_k=self.link_k_of(replica))
+
+    @property
+    def max_stages(self) -> int:
+        """The most stages any replica has."""
+        return max(self.stages_of(r) for r in range(self.replicas))
+
+    @property
+    def mixed_layout(self) -> bool:
+        """Whether some replica's layer split differs from another's (the stages differ in layers)."""
+        return len({tuple(self.layer_ranges(r)) for r in range(self.replicas)}) > 1
+
+    def layouts(self) -> list[tuple[list[tuple[int, int]], list[int]]]:
+        """Each distinct (layer ranges, link_k) of the run's replicas: what one model-wide subspace plan
+        must satisfy (protocol/codecs/subspace.py `subspace_plan`)."""
+        out: list[tuple[list[tuple[int, int]], list[int]]] = []
+        for r in range(self.replicas):
+            lay = (self.layer_ranges(r), self.link_k_of(r))
+            if lay not in out:
+                out.append(lay)
+        return out
+
+    def layer_groups(self) -> list[tuple[int, int]]:
+        """The model's layer groups: [start, end) between consecutive boundaries of any replica's split.
+        Fragments are keyed by group, so replicas of different splits exchange the same layers; the
+        embedding goes with the first group, the final norm and head with the last. A run whose replicas
+        share one split has one group per stage."""
+        cuts = sorted(
+            {0, self.model.n_layers} | {b for r in range(self.replicas) for b, _ in self.layer_ranges(r)}
+        )
+        return list(zip(cuts[:-1], cuts[1:], strict=True))
+
+    def groups_of(self, replica: int, stage: int) -> list[int]:
+        """The layer groups `replica`'s stage `stage` holds, in model order."""
+        start, end = self.layer_ranges(replica)[stage]
+        return [g for g, (a, b) in enumerate(self.layer_groups()) if start <= a and b <= end]
+
+    def group_of_param(self, name: str) -> int:
+        """The layer group of a parameter by its global name (node/model.py's: `layers.{l}.*` goes with layer
+        l, `embed.*` with the first layer, the final norm and head with the last)."""
+        head, _, rest = name.partition(".")
+        n = self.model.n_layers
+        layer = int(rest.partition(".")[0]) if head == "layers" else 0 if head == "embed" else n - 1
+        return next(g for g, (a, b) in enumerate(self.layer_groups()) if a <= layer < b)
+
+    def stage_of_group(self, replica: int, group: int) -> int:
+        """The stage of `replica` that holds layer group `group`."""
+        a, _ = self.layer_groups()[group]
+        return next(s for s, (start, end) in enumerate(self.layer_ranges(replica)) if start <= a < end)
 
     def batch_of(self, replica: int) -> int:
         """Sequences per inner step of `replica`: its M x the run's microbatch size."""
@@ -396,12 +505,17 @@ class RunSpec:
         sch = self.sync.schedule()
         return self.tokens_per_step(replica) * sch.steps_since_capture(sch.capture_step(fragment, rnd))
 
-    def layer_ranges(self) -> list[tuple[int, int]]:
-        """Contiguous [start, end) layer ranges per stage: `layer_split`, else as even as possible."""
-        n, s = self.model.n_layers, self.stages
-        if self.layer_split:
-            ends = [sum(self.layer_split[: i + 1]) for i in range(s)]
-            return [(ends[i] - self.layer_split[i], ends[i]) for i in range(s)]
+    def layer_ranges(self, replica: int | None = None) -> list[tuple[int, int]]:
+        """Contiguous [start, end) layer ranges per stage of `replica` (None: of the run's own shape): its
+        layer_split, else as even as possible."""
+        sh = self.shape_of(replica) if replica is not None else None
+        n, s = self.model.n_layers, self.stages_of(replica) if replica is not None else self.stages
+        split = sh.layer_split if sh is not None and sh.layer_split else []
+        if not split and s == self.stages:
+            split = self.layer_split
+        if split:
+            ends = [sum(split[: i + 1]) for i in range(s)]
+            return [(ends[i] - split[i], ends[i]) for i in range(s)]
         bounds = [round(i * n / s) for i in range(s + 1)]
         return [(bounds[i], bounds[i + 1]) for i in range(s)]
 

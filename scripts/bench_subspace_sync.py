@@ -75,7 +75,7 @@ def ef_off_span(syncs: list[OuterSync], spans: list[Confinement | None]) -> floa
         if cf is None or not isinstance(codec, SparseLoCoCodec):
             continue
         for f, e in codec.e.items():
-            for i, t in zip(sy.fragments[f], e, strict=True):
+            for i, t in zip(sy.fragments[f], e, strict=True):  # f: (group, fragment)
                 if sy.confine is not None:
                     t = t.clone()
                     sy.confine.local_(i, t)

@@ -790,6 +790,8 @@ class Prepared:
     tokenizer_url: str = ""
     """With --data-in-store and a tokenizer: where the tokenizer.json goes in the store."""
     tokenizer_bytes: bytes = b""
+    stage_counts: tuple[int, ...] = ()
+    """Each replica's stages where a [[shapes]] table gives some their own (empty: `stages` for all)."""
 
 
 STORE_CORPUS = "s3://crucible/corpus/{sha256}"
@@ -909,12 +911,13 @@ def preflight(args: argparse.Namespace) -> Prepared:
         except (ValueError, OSError) as e:
             raise bad_input("--run-toml", str(args.run_toml), str(e)) from e
         run_id, replicas, stages = spec.run_id, spec.replicas, spec.stages
+        counts = tuple(spec.stages_of(r) for r in range(replicas)) if spec.mixed_layout else ()
         text, data, tokenizer = args.run_toml.read_text(), spec.train.data, spec.train.tokenizer
         data_flag, tok_flag = f"[train] data in {args.run_toml}", f"[train] tokenizer in {args.run_toml}"
     else:
         spec = None
         run_id = args.run_id or time.strftime("swarm-%Y%m%d-%H%M%S")
-        replicas, stages = args.replicas, args.stages
+        replicas, stages, counts = args.replicas, args.stages, ()
         text, data = generated_run(args, run_id), args.data
         tokenizer = str(args.tokenizer) if args.tokenizer else ""
         data_flag, tok_flag = "--data", "--tokenizer"
@@ -992,6 +995,7 @@ def preflight(args: argparse.Namespace) -> Prepared:
         bool(tokenizer),
         tokenizer_url=tok_url,
         tokenizer_bytes=tok_bytes if tok_url else b"",
+        stage_counts=counts,
     )
 
 
@@ -1007,10 +1011,14 @@ def _main(argv: list[str] | None) -> int:
     out.mkdir(parents=True, exist_ok=True)
     run_toml = out / "run.toml"  # (for --run-toml, its copy with the corpus's hashes)
     run_toml.write_text(prep.run_toml)
-    n = replicas * stages
+    per_replica = (
+        dict(enumerate(prep.stage_counts)) if prep.stage_counts else dict.fromkeys(range(replicas), stages)
+    )
+    n = sum(per_replica.values())
     spares = f" + {args.spares} spare node(s)" if args.spares else ""
     print(
-        f"crucible-swarm: run {run_id}: {replicas} replicas x {stages} stages{spares}; logs in {out}/",
+        f"crucible-swarm: run {run_id}: {replicas} replicas x "
+        f"{'/'.join(map(str, prep.stage_counts)) if prep.stage_counts else stages} stages{spares}; logs in {out}/",
         flush=True,
     )
     swarm = Swarm(out, n + args.spares, device=args.device)
@@ -1067,7 +1075,7 @@ def _main(argv: list[str] | None) -> int:
             if not faults:
                 if len(mine) == n and all(m["state"] in ("done", "failed") for m in mine):
                     break
-            elif (finished := complete_replicas(mine, stages)) and not any(
+            elif (finished := complete_replicas(mine, per_replica)) and not any(
                 m["state"] in ("assigned", "training") for m in mine
             ):
                 if len(finished) == replicas:
@@ -1167,10 +1175,11 @@ def reported_failures(
     return new
 
 
-def complete_replicas(ms: list[dict], stages: int) -> set[int]:
-    """Replicas whose every stage is done."""
+def complete_replicas(ms: list[dict], stages: int | dict[int, int]) -> set[int]:
+    """Replicas whose every stage is done (`stages`: each replica's stage count, or one for all)."""
     done = {(m["replica"], m["stage"]) for m in ms if m["state"] == "done"}
-    return {r for r, _ in done if all((r, s) in done for s in range(stages))}
+    of = (lambda r: stages.get(r, 0)) if isinstance(stages, dict) else (lambda r: stages)
+    return {r for r, _ in done if all((r, s) in done for s in range(of(r)))}
 
 
 def build_report(
@@ -1182,10 +1191,12 @@ def build_report(
     or restarted since; without it, what the live nodes report now."""
     if not ms:
         raise ProcessFailed(f"no live node reports run {run_id}; see the logs")
-    stages = max(x["stage"] for x in ms) + 1
+    stages: dict[int, int] = {}  # each replica's stage count, as its nodes report (splits may differ)
+    for x in ms:
+        stages[x["replica"]] = max(stages.get(x["replica"], 0), x["stage"] + 1)
     complete = complete_replicas(ms, stages)
     finished = [m for m in ms if m["replica"] in complete and m["state"] == "done"]
-    last = [m for m in finished or ms if m["stage"] == stages - 1]
+    last = [m for m in finished or ms if m["stage"] == stages[m["replica"]] - 1]
     hist = {m["replica"]: m["val_history"] for m in last}
     # the run starts where every replica started, at step 0: a rebuilt replica's history begins at the
     # checkpoint it resumed from, so its first figure is not the run's start
@@ -1201,9 +1212,10 @@ def build_report(
         pipe = sum(m["bytes_pipe_sent"] for m in ms)
     steps = max(m["step"] for m in ms)
     replicas = len({m["replica"] for m in ms})
-    by_stage: dict[int, set[str]] = {}
+    by_group: dict[str, set[str]] = {}  # layer group -> its final weights' digests over the replicas
     for m in finished:
-        by_stage.setdefault(m["stage"], set()).add(m["weights_sha256"])
+        for g, digest in (m.get("group_sha256") or {"s" + str(m["stage"]): m["weights_sha256"]}).items():
+            by_group.setdefault(g, set()).add(digest)
     return {
         "run_id": run_id,
         "all_done": all(m["state"] == "done" for m in ms),
@@ -1217,7 +1229,7 @@ def build_report(
         "val_bpb_drop": round(1 - sum(end) / sum(start), 4) if start and end else None,
         "val_history": hist,
         "replicas": replicas,
-        "consensus_identical": bool(by_stage) and all(len(v) == 1 and "" not in v for v in by_stage.values()),
+        "consensus_identical": bool(by_group) and all(len(v) == 1 and "" not in v for v in by_group.values()),
         "bytes_pipeline": pipe,
         "bytes_store_up": up,
         "bytes_store_down": down,

@@ -166,7 +166,7 @@ def test_sparseloco_anchor_stays_in_span_and_exports(
     cf = reps[0].syncs[0].confine
     assert cf is not None
     for f, e in codec.e.items():
-        for i, t in zip(reps[0].syncs[0].fragments[f], e, strict=True):
+        for i, t in zip(reps[0].syncs[0].fragments[f], e, strict=True):  # f: (group, fragment)
             cf.local_(i, t)
             assert cf.off_span(i, t) < 1e-5
 

@@ -24,7 +24,7 @@ from protocol.identity import Identity
 from protocol.messages import Lease, NodeAdvert, RunRecord
 from protocol.net.grants import Grantor, Grants, NoGrant
 from protocol.net.store import MIN_PART_BYTES, ObjectStore, StoreConfig
-from protocol.runspec import ModelSpec, RunSpec, SyncSpec, TrainSpec
+from protocol.runspec import ModelSpec, ReplicaShape, RunSpec, SyncSpec, TrainSpec
 from protocol.trust.delegation import OperatorTrust, Untrusted, issue
 from protocol.trust.grant_mail import (
     GrantInbox,
@@ -229,3 +229,49 @@ def test_the_issuer_grants_each_node_its_slot_s_keys_for_a_window_and_renews(fro
     for _, g in newest + [(mail, grants)]:
         for u in g.uploads:
             issuer.grantor.abort(u)
+
+
+def test_a_node_of_a_mixed_layout_run_is_granted_its_own_layer_groups_keys(front: StoreFront) -> None:
+    """Issue 22: fragments are keyed by layer group. Replica 0 in one stage, replica 1 in two ([1, 3] of 4
+    layers): groups [0,1) [1,4). Replica 1's stage 1 holds group 1 alone: it is granted group 1's fragment
+    keys (its slot's), never group 0's, which its replica's stage 0 signs."""
+    spec = replace(
+        _spec(),
+        shapes=[ReplicaShape(replicas=[1], stages=2, layer_split=[1, 3])],
+    )
+    assert spec.layer_groups() == [(0, 1), (1, 4)] and spec.groups_of(1, 1) == [1]
+    coordinator = ObjectStore(_cfg(front, FULL_KEY, part_mib=5))
+    issuer = GrantIssuer(OPERATOR, coordinator)
+    nodes = {(0, 0): Identity.generate(), (1, 0): Identity.generate(), (1, 1): Identity.generate()}
+    pl = Placement(slots={slot: n.peer_id for slot, n in nodes.items()})
+    lease = HeldLease(Lease(run_id=RUN, term=4, holder=OPERATOR.peer_id, expires_at=2e9), etag="")
+    run = ManagedRun(record=RunRecord(spec=spec, state="running"), lease=lease, placement=pl)
+    me = nodes[1, 1]
+    ads = {
+        n.peer_id: NodeAdvert(
+            peer_id=n.peer_id,
+            version="0",
+            device="cpu",
+            memory_gb=1,
+            tflops=1,
+            price_per_hour=0,
+            host="127.0.0.1",
+            port=1,
+            health_port=2,
+            run_id=RUN,
+            replica=r,
+            stage=s,
+            mail_key=mail_key_hex(n) if n is me else "",
+        )
+        for (r, s), n in nodes.items()
+    }
+    assert issuer.issue(run, ads) == 1
+    (_, grants), *_ = read_mails(coordinator, me, TRUST, RUN)
+    granted = {g.key for g in grants.puts}
+    for rnd in range(WINDOW):
+        for f in range(spec.sync.P):
+            assert keys.primary_fragment_key(RUN, 1, f, rnd, 1, me.peer_id) in granted
+            assert keys.primary_fragment_key(RUN, 0, f, rnd, 1, me.peer_id) not in granted
+    assert keys.ckpt_manifest_key(RUN, rnd=2, stage=1, replica=1) in granted
+    for u in grants.uploads:
+        issuer.grantor.abort(u)

@@ -80,8 +80,10 @@ def make_replicas(
     codecs: list[SparseLoCoCodec] | None = None,
     tokens_per_step: list[int] | None = None,
     agg: AggregationSettings = AGG,
+    group: int = 0,
 ) -> tuple[str, list[OuterSync]]:
-    """R replicas of the same initial parameters; `expected` (>= R) replicas are listed as stage peers."""
+    """R replicas of the same initial parameters; `expected` (>= R) replicas are listed as stage peers.
+    group: the layer group they hold (> 0: held by stage 1, its signers given per group)."""
     run_id = f"run-{uuid.uuid4().hex[:8]}"
     peers = {r: IDS[r].peer_id for r in range(expected or R)}
     syncs = [
@@ -94,9 +96,11 @@ def make_replicas(
             aggregate=make_aggregator(agg),
             tokens_per_step=tokens_per_step[r] if tokens_per_step else 1,
             run_id=run_id,
-            stage=0,
+            stage=min(group, 1),
             replica=r,
-            stage_peers=peers,
+            stage_peers={} if group else peers,
+            groups={group: list(range(len(shapes)))},
+            group_peers={group: peers} if group else None,
             schedule=Schedule(H=H, P=P, tau=tau),
             alpha=alpha,
             timeout_s=timeout_s,
@@ -270,7 +274,7 @@ def test_round_gives_bit_identical_anchors(store: ObjectStore, closer: list[Oute
     moved = [float((a - b).abs().max()) for a, b in zip(syncs[0].anchor, start, strict=True)]
     assert all(m > 0 for m in moved)
     # the error-feedback buffers hold what was not sent; with 1.56% sent they are nearly all of Delta
-    e = syncs[0].codec.e[0]  # type: ignore[attr-defined]
+    e = syncs[0].codec.e[0, 0]  # type: ignore[attr-defined]
     assert [t.shape for t in e] == [torch.Size(s) for s in SHAPES] and float(e[0].abs().sum()) > 0
 
 
@@ -283,7 +287,7 @@ def test_bytes_per_round_match_the_ratio(store: ObjectStore, closer: list[OuterS
         pass
     codec = SparseLoCoCodec(IDS[0], CFG)
     want = 0.0  # dense fp32 bytes / ratio, per fragment, with the fragment's real header
-    for f, idx in enumerate(syncs[0].fragments):
+    for (_, f), idx in syncs[0].fragments.items():
         fs = [torch.Size(shapes[i]) for i in idx]
         header = codec.expected_header(FragmentId(run_id, 0, f, 0, 0), fs, tokens=2)
         dense = 4 * sum(math.prod(s) for s in fs)
@@ -408,7 +412,7 @@ def test_streaming_applies_at_c_plus_tau_and_keeps_the_drift(
     shapes = [(64, 96), (32,), (96, 64), (48, 48)]  # fragment 0: tensors 0, 2; fragment 1: tensors 1, 3
     run_id, syncs = make_replicas(store, shapes, R=2, H=H, P=P, tau=tau, alpha=alpha)
     closer.extend(syncs)
-    assert syncs[0].fragments == [[0, 2], [1, 3]]
+    assert syncs[0].fragments == {(0, 0): [0, 2], (0, 1): [1, 3]}
     q = H // P
     c = {f: (f + 1) * q for f in range(P)}  # c_f within a cycle
     captured: dict[tuple[int, int], list[list[torch.Tensor]]] = {}  # (f, round) -> per replica theta(c_f)
@@ -434,7 +438,7 @@ def test_streaming_applies_at_c_plus_tau_and_keeps_the_drift(
             for r in range(len(syncs)):
                 blob = stored_fragment(store, run_id, f, rnd, r)
                 assert blob is not None
-                fs = [syncs[0].params[i].shape for i in syncs[0].fragments[f]]
+                fs = [syncs[0].params[i].shape for i in syncs[0].fragments[0, f]]
                 contribs[r] = (
                     SparseLoCoCodec(IDS[r], CFG)
                     .decode(FragmentId(run_id, 0, f, rnd, r), blob, fs, IDS[r].peer_id)
@@ -442,13 +446,13 @@ def test_streaming_applies_at_c_plus_tau_and_keeps_the_drift(
                 )
             delta_bar = aggregate(contribs, AGG).tensors
             for r, s in enumerate(syncs):
-                for j, i in enumerate(s.fragments[f]):
+                for j, i in enumerate(s.fragments[0, f]):
                     anchor_new = anchors[step][r][i] - alpha * delta_bar[j]
                     drift = before[step][r][i] - captured[(f, rnd)][r][i]  # theta(a_f) - theta(c_f)
                     assert float(drift.abs().max()) > 0  # tau > 0 steps did train in between
                     torch.testing.assert_close(s.anchor[i], anchor_new, rtol=0, atol=1e-7)
                     torch.testing.assert_close(s.params[i].detach(), anchor_new + drift, rtol=0, atol=1e-7)
-                for i in s.fragments[1 - f]:  # the other fragment is not touched
+                for i in s.fragments[0, 1 - f]:  # the other fragment is not touched
                     assert torch.equal(s.params[i].detach(), before[step][r][i])
                     assert torch.equal(s.anchor[i], anchors[step][r][i])
     assert_same_anchors(syncs)

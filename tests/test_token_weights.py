@@ -61,7 +61,7 @@ def test_a_replica_shape_sets_its_batch_and_its_round_bound(tmp_path: Path) -> N
         with pytest.raises(ValueError, match=what):
             RunSpec(run_id="mixed", replicas=3, shapes=shapes)
     with pytest.raises(ValueError, match="shapes.microbatches"):
-        ReplicaShape(replicas=[0], microbatches=0)
+        ReplicaShape(replicas=[0], microbatches=-1)
 
 
 @pytest.mark.parametrize("method", ["sparseloco", "diloco"])
@@ -147,7 +147,7 @@ def test_the_aggregate_weighs_each_replica_by_the_tokens_it_trained(
     H, P, tps = 4, 2, [100, 200, 100, 100]
     agg = AggregationSettings(weighting=weighting)  # type: ignore[arg-type]
     run_id, syncs = make_replicas(store, SHAPES, R=4, H=H, P=P, tokens_per_step=tps, agg=agg)
-    prev = {f: [syncs[0].anchor[i].clone() for i in idx] for f, idx in enumerate(syncs[0].fragments)}
+    prev = {f: [syncs[0].anchor[i].clone() for i in idx] for (_, f), idx in syncs[0].fragments.items()}
     try:
         for step in range(1, 3 * H + 1):
             applied = train_step(syncs, step)
@@ -161,7 +161,7 @@ def test_the_aggregate_weighs_each_replica_by_the_tokens_it_trained(
             for r in range(4):
                 blob = stored_fragment(store, run_id, f, rnd, r)
                 assert blob is not None
-                fs = [syncs[0].params[i].shape for i in syncs[0].fragments[f]]
+                fs = [syncs[0].params[i].shape for i in syncs[0].fragments[0, f]]
                 contribs[r] = SparseLoCoCodec(IDS[r], CFG).decode(
                     FragmentId(run_id, 0, f, rnd, r), blob, fs, IDS[r].peer_id
                 )
@@ -172,9 +172,9 @@ def test_the_aggregate_weighs_each_replica_by_the_tokens_it_trained(
             differs = any(not torch.equal(a, b) for a, b in zip(want, plain, strict=True))
             assert differs == (weighting == "tokens")  # the weights do move the aggregate
             assert_same_anchors(syncs)
-            for j, i in enumerate(syncs[0].fragments[f]):
+            for j, i in enumerate(syncs[0].fragments[0, f]):
                 assert torch.equal(syncs[0].anchor[i], prev[f][j] - want[j]), (step, f)
-            prev[f] = [syncs[0].anchor[i].clone() for i in syncs[0].fragments[f]]
+            prev[f] = [syncs[0].anchor[i].clone() for i in syncs[0].fragments[0, f]]
     finally:
         for s in syncs:
             s._io.shutdown(wait=True, cancel_futures=True)

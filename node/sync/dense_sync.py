@@ -61,7 +61,7 @@ class DenseCodec(FragmentCodec):
     def restore(self, fid: FragmentId, unsent: list[torch.Tensor]) -> None:
         """DiLoCo keeps no error feedback: a pseudo-gradient that did not land is dropped."""
 
-    def residual(self, fragment: int) -> list[torch.Tensor]:
+    def residual(self, group: int, fragment: int) -> list[torch.Tensor]:
         return []  # nothing carried between rounds
 
 

@@ -48,6 +48,8 @@ class RoundAgreementError(RuntimeError):
 class FragmentId:
     run_id: str
     stage: int
+    """The layer group (`RunSpec.layer_groups`; a run whose replicas share one split: the stage), as the
+    store keys and the signed headers name it."""
     fragment: int
     round: int
     replica: int
@@ -94,8 +96,8 @@ class FragmentCodec(Protocol):
         """Our upload of `fid` did not land: keep `unsent` (what encode returned) for a later round."""
         ...
 
-    def residual(self, fragment: int) -> list[torch.Tensor]:
-        """What the codec carries into `fragment`'s next encode, one tensor per parameter of the fragment
+    def residual(self, group: int, fragment: int) -> list[torch.Tensor]:
+        """What the codec carries into the group's `fragment`'s next encode, one tensor per parameter of the fragment
         (SparseLoCo: its error feedback), for the round owner to confine; [] if nothing (yet)."""
         ...
 

@@ -1,8 +1,9 @@
 """Cross-replica outer loop through the object store: capture -> upload/fetch -> apply, per fragment.
 
 DiLoCo (arXiv 2311.08105) / SparseLoCo (arXiv 2508.15706) with Streaming DiLoCo's fragments and overlap
-(arXiv 2501.18512). The stage's parameters are split into P strided fragments; with q = floor(H/P),
-fragment f is captured at inner step c_f = (f+1) q of each H-step cycle and applied at a_f = c_f + tau:
+(arXiv 2501.18512). The stage's parameters are split by layer group (`RunSpec.layer_groups`: replicas of
+different layer splits exchange the same groups; a uniform run has one group per stage), each group into P
+strided fragments; with q = floor(H/P), fragment f of every group is captured at inner step c_f = (f+1) q of each H-step cycle and applied at a_f = c_f + tau:
 
     Delta_r   = theta_anchor - theta_local(c_f)          # pseudo-gradient (codec may compress it)
     Delta_bar = aggregate({decode(c_j) : j arrived})     # over replicas whose fragment arrived in time
@@ -122,6 +123,9 @@ class OuterSync:
         replica: int,
         stage_peers: dict[int, str],
         former_stage_peers: dict[int, set[str]] | None = None,
+        groups: dict[int, list[int]] | None = None,
+        group_peers: dict[int, dict[int, str]] | None = None,
+        former_group_peers: dict[int, dict[int, set[str]]] | None = None,
         schedule: Schedule,
         alpha: float,
         momentum: float = 0.0,
@@ -148,7 +152,10 @@ class OuterSync:
         stopping (a round still waiting for its quorum gives up). max_late_rounds: how many rounds late a
         fragment may still be committed (node/sync/late_window.py; 0: never). tokens_per_step: what this
         replica trains on per inner step (`RunSpec.tokens_per_step`): a fragment's contribution claims it
-        times the steps since that fragment's previous capture."""
+        times the steps since that fragment's previous capture. groups: layer group -> indices into
+        params of its parameters (None: one group numbered `stage` of them all, as in a run whose replicas
+        share one split). group_peers, former_group_peers: each group's signers by replica (None: the
+        stage's, stage_peers and former_stage_peers, for every group)."""
         if not 0 < poll_s <= poll_max_s:
             raise ValueError(f"need 0 < poll_s <= poll_max_s, got poll_s={poll_s} poll_max_s={poll_max_s}")
         self.params = params
@@ -158,29 +165,42 @@ class OuterSync:
         self.aggregate, self.tokens_per_step = aggregate, tokens_per_step
         self.local, self.checkpoints, self.checkpoint_every = local, checkpoints, checkpoint_every
         self.confine = confine
-        # strided fragments spread big and small tensors evenly: param i belongs to fragment i % P
-        self.fragments = [list(range(f, len(params), schedule.P)) for f in range(schedule.P)]
+        self.groups = groups if groups is not None else {stage: list(range(len(params)))}
+        # strided fragments spread big and small tensors evenly: a group's j-th parameter is in fragment j % P
+        self.fragments = {
+            (g, f): idx[f :: schedule.P] for g, idx in sorted(self.groups.items()) for f in range(schedule.P)
+        }
         self.anchor = [p.detach().clone() for p in params]
         self.outer_m = [torch.zeros_like(p) for p in params] if momentum > 0 else []
         self.stats = SyncStats()
         self._pending: list[_Pending] = []
         self._io = ThreadPoolExecutor(max_workers=2, thread_name_prefix="outer-io")
         self._lock = threading.Lock()
-        self.exchange: Exchange = RoundExchange(
-            store,
-            codec,
-            replica=replica,
-            stage_peers=stage_peers,
-            former_stage_peers=former_stage_peers,
-            timeout_s=timeout_s,
-            poll_s=poll_s,
-            poll_max_s=poll_max_s,
-            stats=self.stats,
-            lock=self._lock,
-            quorum=quorum,
-            cancelled=cancelled,
-            max_late_rounds=max_late_rounds,
-        )
+        self.exchanges: dict[int, Exchange] = {
+            g: RoundExchange(
+                store,
+                codec,
+                replica=replica,
+                stage_peers=(group_peers or {}).get(g, stage_peers),
+                former_stage_peers=(former_group_peers or {}).get(g, former_stage_peers),
+                timeout_s=timeout_s,
+                poll_s=poll_s,
+                poll_max_s=poll_max_s,
+                stats=self.stats,
+                lock=self._lock,
+                quorum=quorum,
+                cancelled=cancelled,
+                max_late_rounds=max_late_rounds,
+            )
+            for g in sorted(self.groups)
+        }
+
+    @property
+    def exchange(self) -> Exchange:
+        """The exchange of a stage holding one layer group (each group has its own: `exchanges`)."""
+        if len(self.exchanges) != 1:
+            raise AttributeError(f"this stage holds layer groups {sorted(self.exchanges)}: use exchanges[g]")
+        return next(iter(self.exchanges.values()))
 
     # --- schedule ---------------------------------------------------------------------------------
     def step_done(self, step: int) -> StepOutcome:
@@ -202,7 +222,8 @@ class OuterSync:
     def capture_due(self, step: int) -> None:
         """Capture phase: fragments whose c_f falls on `step` are compressed and handed to the I/O thread."""
         for f, rnd in self.schedule.captures(step):
-            self._capture(f, rnd, step)
+            for g in sorted(self.groups):
+                self._capture(g, f, rnd, step)
 
     def apply_due(self, step: int) -> list[int]:
         """Apply phase: fragments whose a_f = c_f + tau falls on `step` (blocks for transfers in flight)."""
@@ -210,7 +231,8 @@ class OuterSync:
         for p in [p for p in self._pending if p.apply_step == step]:
             self._apply(p)
             self._pending.remove(p)
-            applied.append(p.fid.fragment)
+            if p.fid.fragment not in applied:
+                applied.append(p.fid.fragment)
         return applied
 
     def round_end(self, step: int) -> int | None:
@@ -234,7 +256,8 @@ class OuterSync:
         out = {f"anchor.{n}": a for n, a in zip(names, self.anchor, strict=True)}
         out.update({f"outer_m.{n}": m for n, m in zip(names, self.outer_m, strict=False)})
         out.update({f"codec.{k}": v for k, v in self.codec.state().items()})
-        out.update({f"exchange.{k}": v for k, v in self.exchange.state().items()})
+        for g, ex in self.exchanges.items():
+            out.update({f"exchange.g{g}.{k}": v for k, v in ex.state().items()})
         if self.confine is not None:
             out[ANCHOR_IN_SPAN] = torch.ones(1)
         return out
@@ -253,9 +276,10 @@ class OuterSync:
                     for i, t in enumerate(ts):
                         t.copy_(self.confine.consensus(i, t.cpu()).to(t.device))
         self.codec.load_state({k[len("codec.") :]: v for k, v in state.items() if k.startswith("codec.")})
-        self.exchange.load_state(
-            {k[len("exchange.") :]: v for k, v in state.items() if k.startswith("exchange.")}
-        )
+        by_group = any(k.startswith("exchange.g") for k in state)
+        for g, ex in self.exchanges.items():
+            head = f"exchange.g{g}." if by_group else "exchange."  # an older build's: its stage, one group
+            ex.load_state({k[len(head) :]: v for k, v in state.items() if k.startswith(head)})
 
     def save_checkpoint(self, step: int, rnd: int) -> None:
         """Everything needed to continue from round `rnd`: the worker's weights and optimizer, our anchor,
@@ -296,26 +320,36 @@ class OuterSync:
             self.checkpoints.join()
 
     # --- phases -----------------------------------------------------------------------------------
-    def _capture(self, f: int, rnd: int, step: int) -> None:
-        idx = self.fragments[f]
+    def _capture(self, g: int, f: int, rnd: int, step: int) -> None:
+        idx = self.fragments[g, f]
         if self.confine is not None:  # what error feedback carries off the span would be re-sent forever
-            for j, e in enumerate(self.codec.residual(f)):
+            for j, e in enumerate(self.codec.residual(g, f)):
                 self.confine.local_(idx[j], e)
         with torch.no_grad():
             theta = [self.params[i].detach().clone() for i in idx]
             delta = [self.anchor[i] - t for i, t in zip(idx, theta, strict=True)]  # Delta = anchor - local
-        fid = FragmentId(self.run_id, self.stage, f, rnd, self.replica)
+        fid = FragmentId(self.run_id, g, f, rnd, self.replica)  # keyed by layer group, not stage
         encoding = self.codec.encode(
             fid, delta, self.tokens_per_step * self.schedule.steps_since_capture(step)
         )
         shapes = [self.params[i].shape for i in idx]
-        fut = self._io.submit(self.exchange.run, fid, encoding, shapes)
+        fut = self._io.submit(self.exchanges[g].run, fid, encoding, shapes)
         self._pending.append(_Pending(fid, theta, fut, step + self.schedule.tau))
 
-    def set_stage_peers(self, stage_peers: dict[int, str], former: dict[int, set[str]] | None = None) -> None:
+    def set_stage_peers(
+        self,
+        stage_peers: dict[int, str],
+        former: dict[int, set[str]] | None = None,
+        group_peers: dict[int, dict[int, str]] | None = None,
+        former_group_peers: dict[int, dict[int, set[str]]] | None = None,
+    ) -> None:
         """The signers of this stage's slots changed (a replica rebuilt with a new node, or dropped out):
-        the exchange trusts them from now on (the worker binds them to their checkpoint slots)."""
-        self.exchange.set_stage_peers(stage_peers, former)
+        each group's exchange trusts them from now on (the worker binds them to their checkpoint slots);
+        group_peers as in the constructor."""
+        for g, ex in self.exchanges.items():
+            ex.set_stage_peers(
+                (group_peers or {}).get(g, stage_peers), (former_group_peers or {}).get(g, former)
+            )
 
     def _apply(self, p: _Pending) -> None:
         t = time.perf_counter()
@@ -329,7 +363,7 @@ class OuterSync:
             self.codec.restore(p.fid, unsent)
         # nothing arrived, not even ours: the anchor stays and the replica restarts from it (+ drift)
         delta_bar = self.aggregate(ex.contribs, ex.weights) if ex.contribs else None
-        idx = self.fragments[p.fid.fragment]
+        idx = self.fragments[p.fid.stage, p.fid.fragment]
         if delta_bar is not None and self.confine is not None:  # on the host, before it meets the anchor
             delta_bar = [self.confine.consensus(i, t) for i, t in zip(idx, delta_bar, strict=True)]
         with torch.no_grad():

@@ -1,6 +1,6 @@
 """SparseLoCo's fragment codec for the outer loop, and the factory that picks a run's sync method.
 
-SparseLoCo (arXiv 2508.15706), per stage worker r and fragment f (DESIGN section 3):
+SparseLoCo (arXiv 2508.15706), per stage worker r and fragment f of a layer group (DESIGN section 3):
 
     e_r,f = beta * e_r,f + Delta_r,f         # error feedback, one buffer per fragment
     c_r,f = Q2(TopK_per_chunk(e_r,f))        # k of every 4096 coordinates, 2-bit values
@@ -70,16 +70,16 @@ class SparseLoCoCodec(FragmentCodec):
         tokens a fragment may claim (`RunSpec.fragment_tokens`; None: any the format holds)."""
         self.identity, self.cfg, self.device_path = identity, cfg, device_path
         self.tokens_bound = tokens_bound
-        self.e: dict[int, list[torch.Tensor]] = {}
-        """Error-feedback buffer of each fragment (float32, on the device the path runs on), created at
-        its first capture."""
+        self.e: dict[tuple[int, int], list[torch.Tensor]] = {}
+        """Error-feedback buffer of each (layer group, fragment) (float32, on the device the path runs on),
+        created at its first capture."""
 
     def encode(self, fid: FragmentId, delta: list[torch.Tensor], tokens: int) -> Encoding:
         """Update the fragment's buffer e and compress (on delta's device or the host); the returned
         `Encoding` gives (signed wire bytes, decode(c) with `tokens`) of this round's Delta."""
         on_device = self.device_path if self.device_path is not None else bool(delta and delta[0].is_cuda)
         where = delta[0].device if on_device and delta else torch.device("cpu")
-        e = self.e.get(fid.fragment)
+        e = self.e.get((fid.stage, fid.fragment))
         if e is None or [t.shape for t in e] != [d.shape for d in delta]:
             e = [torch.zeros(d.shape, dtype=torch.float32, device=where) for d in delta]
         elif e and e[0].device != where:  # restored from a checkpoint on the CPU: move it, keep it
@@ -87,9 +87,9 @@ class SparseLoCoCodec(FragmentCodec):
         if on_device:
             from protocol.codecs.sparseloco_device import error_feedback_step_device
 
-            cf, self.e[fid.fragment] = error_feedback_step_device(e, delta, self.cfg)  # e updated in place
+            cf, self.e[fid.stage, fid.fragment] = error_feedback_step_device(e, delta, self.cfg)  # in place
         else:
-            cf, self.e[fid.fragment] = error_feedback_step(e, delta, self.cfg)
+            cf, self.e[fid.stage, fid.fragment] = error_feedback_step(e, delta, self.cfg)
         header = FragmentHeader.of(
             cf,
             run_id=fid.run_id,
@@ -102,27 +102,30 @@ class SparseLoCoCodec(FragmentCodec):
         return lambda: (encode_fragment(self.identity, header, cf), Contribution(decompress(cf), tokens))
 
     def state(self) -> dict[str, torch.Tensor]:
-        return {f"ef.{f}.{j}": t for f, e in sorted(self.e.items()) for j, t in enumerate(e)}
+        return {f"ef.{g}.{f}.{j}": t for (g, f), e in sorted(self.e.items()) for j, t in enumerate(e)}
 
     def load_state(self, state: dict[str, torch.Tensor]) -> None:
         """Error feedback from a checkpoint; kept on the CPU until the first encode moves it (encode
         rebuilds a buffer whose device differs from delta's, so the buffers go where the stage is)."""
-        e: dict[int, list[torch.Tensor]] = {}
+        e: dict[tuple[int, int], list[torch.Tensor]] = {}
         for key in sorted(state, key=lambda k: tuple(int(x) for x in k.split(".")[1:])):
-            f, j = (int(x) for x in key.split(".")[1:])
-            if j != len(e.setdefault(f, [])):
+            index = tuple(int(x) for x in key.split(".")[1:])
+            if len(index) != 3:  # "ef.{f}.{j}": before fragments were keyed by layer group
+                raise KeyError(f"error feedback {key} by layer group (ef.group.fragment.tensor)")
+            g, f, j = index
+            if j != len(e.setdefault((g, f), [])):
                 raise KeyError(f"error feedback tensor {key} out of order in the checkpoint")
-            e[f].append(state[key].float().clone())
+            e[g, f].append(state[key].float().clone())
         self.e = e
 
     def restore(self, fid: FragmentId, unsent: list[torch.Tensor]) -> None:
         """e_f += decode(c): a contribution nobody received is sent again in a later round."""
-        for e, u in zip(self.e[fid.fragment], unsent, strict=True):
+        for e, u in zip(self.e[fid.stage, fid.fragment], unsent, strict=True):
             e.add_(u.to(e.device))
 
-    def residual(self, fragment: int) -> list[torch.Tensor]:
-        """e_f: the error feedback the next encode of `fragment` starts from (updated in place)."""
-        return self.e.get(fragment, [])
+    def residual(self, group: int, fragment: int) -> list[torch.Tensor]:
+        """e_f: the error feedback the next encode of the group's `fragment` starts from (in place)."""
+        return self.e.get((group, fragment), [])
 
     @property
     def signer(self) -> str:

@@ -16,6 +16,11 @@ A round R of replica r's slot counts (docs/reliability.md, "Checkpoint slots bou
   4. (the first stage picking the round) every later stage has a manifest of R of replica r that rules 1-3
      hold for there, its signers those the archived assignments put in each slot: the round the first stage
      passes on is one every later stage's `at_step` takes.
+In a run whose replicas differ in layer split (`RunSpec.mixed_layout`), the stages of one index hold different
+layers, so rule 3 holds per layer group of the stage: for each group, another replica's checkpoint of the
+stage holding it there (`stage_of_group`), signed by a signer of that slot (the assignment's `group_peers`; for
+rule 4 the archive) other than the node that signed r's, signs the same digest of the group's anchor
+(`GROUP_ANCHOR_META`), and the tensors hold it.
 The newest such round is found by bisection over the run's checkpoint rounds (`newest_round`: a manifest
 GET per slot and probe, about log2(rounds) probes), not by listing: junk under ckpt/ costs nothing, and a
 LATEST pointer, which anyone with the store's credentials can replay or squat, decides nothing.
@@ -26,7 +31,7 @@ from __future__ import annotations
 import logging
 import threading
 import time
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterator, Mapping, Sequence
 from dataclasses import dataclass
 
 import torch
@@ -43,6 +48,8 @@ from protocol.checkpoint import (
     anchor_sha256,
     checkpoint_rounds,
     checkpoint_step,
+    group_anchor_meta,
+    group_anchor_sha256,
     newest_round,
     read_manifest,
     read_round,
@@ -52,6 +59,7 @@ from protocol.checkpoint import (
 from protocol.identity import Identity
 from protocol.messages import Assignment
 from protocol.net.store import ObjectStore, StoreError
+from protocol.runspec import RunSpec
 from protocol.trust.assignment_archive import read_archive
 from protocol.trust.delegation import OperatorTrust
 
@@ -60,7 +68,11 @@ log = logging.getLogger(__name__)
 MAX_TRIES = 8
 """Rounds at and below the newest that counts whose tensors a reader tries (a download each) before it gives up."""
 LaterSigners = dict[int, dict[int, set[bytes]]] | None
-"""Later stage -> replica -> the keys that may sign its checkpoints; None: not known (any valid signature)."""
+"""Later stage -> replica -> the keys that may sign its checkpoints; None: not known (any valid signature).
+In a mixed-layout run: every stage index's (the witnesses of a group sit at any stage of another replica)."""
+ReadManifest = Callable[[int, int, set[bytes] | None], SignedManifest | None]
+"""(stage, replica, trusted keys or None: any valid signature) -> that slot's verified manifest of the round
+at its step, or None (absent or refused): one GET per slot and round, cached."""
 
 
 @dataclass(frozen=True)
@@ -72,6 +84,9 @@ class _Candidate:
     agreed: set[str | None] | None
     """The anchor digests the vouching replicas' manifests sign (None for a build before digests); None
     when the stage has no other replica."""
+    groups: dict[int, set[str | None]] | None = None
+    """Mixed-layout run: layer group -> the digests of its anchor the vouching replicas sign (rule 3 per
+    group); a group no other replica is known to hold is left out."""
 
 
 class StageCheckpoints:
@@ -91,16 +106,40 @@ class StageCheckpoints:
         self.should_stop, self.operator = should_stop, operator
         self.slots = slot_signers([assignment], assignment.stage)
         self.slots.setdefault(assignment.replica, set()).add(identity.public_key)
+        self.group_slots: dict[int, dict[int, set[bytes]]] = {}
+        """Mixed-layout run: stage -> replica -> the signers of the other replicas' stages holding this
+        stage's layer groups (the assignment's `group_peers`, `former_group_peers`)."""
+        self._add_group_slots(assignment.group_peers, assignment.former_group_peers)
         self.refused: list[Refusal] = []
         """What the last `latest` or `at_step` refused, and why."""
         self._upload: threading.Thread | None = None
 
     def set_stage_peers(
-        self, stage_peers: dict[str, str], former: dict[str, list[str]] | None = None
+        self,
+        stage_peers: dict[str, str],
+        former: dict[str, list[str]] | None = None,
+        group_peers: Mapping[str, Mapping[str, str]] | None = None,
+        former_group_peers: Mapping[str, Mapping[str, Sequence[str]]] | None = None,
     ) -> None:
         """The stage's slots got new nodes (a replica rebuilt): each counts for its own slot from now on, and
-        the nodes a slot had before still do."""
+        the nodes a slot had before still do. group_peers, former_group_peers: as the assignment's (a
+        mixed-layout run's witnesses of each layer group)."""
         add_slot_signers(self.slots, {r: [p] for r, p in stage_peers.items()}, former or {})
+        self._add_group_slots(group_peers or {}, former_group_peers or {})
+
+    def _add_group_slots(
+        self,
+        group_peers: Mapping[str, Mapping[str, str]],
+        former: Mapping[str, Mapping[str, Sequence[str]]],
+    ) -> None:
+        spec = self.a.spec
+        n = len(spec.layer_groups())
+        for table in ({g: {r: [p] for r, p in by.items()} for g, by in group_peers.items()}, former):
+            for g, by in table.items():
+                for r, peers in by.items():  # the Assignment checked the keys: decimal, in range
+                    if int(g) < n and int(r) < spec.replicas:
+                        stage = spec.stage_of_group(int(r), int(g))
+                        add_slot_signers(self.group_slots.setdefault(stage, {}), {r: peers})
 
     def signers(self, replica: int) -> set[bytes]:
         """The keys whose checkpoints of this stage count for `replica`'s slot."""
@@ -180,6 +219,8 @@ class StageCheckpoints:
         candidate with first_only). later {}: no later stage checked (the last stage; or `at_step`, where
         each later stage reads its own)."""
         a = self.a
+        if a.spec.mixed_layout:
+            return self._group_candidates(rnd, later, first_only)
         found = self._manifests(a.stage, rnd, self.slots)
         stages: dict[int, dict[int, SignedManifest]] = {}  # later stage -> its slots' manifests of rnd
         out: list[_Candidate] = []
@@ -188,7 +229,7 @@ class StageCheckpoints:
                 continue
             try:
                 agreed = _vouched(a.stage, r, rnd, found, sorted(self.slots), a.replica)
-                for s in range(a.stage + 1, a.spec.stages) if later != {} else ():
+                for s in range(a.stage + 1, a.spec.stages_of(a.replica)) if later != {} else ():
                     signers = None if later is None else later.get(s, {})
                     if s not in stages:
                         stages[s] = self._manifests(s, rnd, signers)
@@ -213,6 +254,68 @@ class StageCheckpoints:
             if first_only:
                 break
         return out
+
+    def _group_candidates(self, rnd: int, later: LaterSigners, first_only: bool = False) -> list[_Candidate]:
+        """`_candidates` of a mixed-layout run: rule 3 per layer group (module docstring), the witnesses of
+        this stage's groups signed by the slots the assignment names (`group_slots`), those of a later
+        stage's by the archive's (`later`)."""
+        a = self.a
+        spec = a.spec
+        read = self._reader(rnd)
+        own: dict[int, dict[int, set[bytes]]] = {s: dict(by) for s, by in self.group_slots.items()}
+        own.setdefault(a.stage, {}).update(self.slots)  # the replicas of this one's split
+        out: list[_Candidate] = []
+        for r in self.replicas():
+            m = read(a.stage, r, self.signers(r))
+            if m is None:
+                continue
+            try:
+                groups = _group_vouched(spec, a.stage, r, rnd, m, read, own, a.replica)
+                for s in range(a.stage + 1, spec.stages_of(r)) if later != {} else ():
+                    signers = None if later is None else later.get(s, {}).get(r)
+                    later_m = read(s, r, signers) if later is None or signers is not None else None
+                    if later_m is None:
+                        raise CheckpointRefused(
+                            keys.ckpt_manifest_key(a.run_id, rnd=rnd, stage=s, replica=r),
+                            f"stage {s} of replica {r} has no valid checkpoint of round {rnd}: a replica "
+                            "resumes all its stages at one round; trying an earlier one",
+                        )
+                    _group_vouched(spec, s, r, rnd, later_m, read, later, a.replica)
+            except CheckpointRefused as e:
+                self._refuse(rnd, e)
+                continue
+            out.append(_Candidate(replica=r, manifest=m, agreed=None, groups=groups))
+            if first_only:
+                break
+        return out
+
+    def _reader(self, rnd: int) -> ReadManifest:
+        """A `ReadManifest` of round `rnd`, each (stage, replica, signers) asked once; refusals logged."""
+        step = checkpoint_step(self.a.spec, rnd)
+        seen: dict[tuple[int, int, frozenset[bytes] | None], SignedManifest | None] = {}
+
+        def read(stage: int, replica: int, trusted: set[bytes] | None) -> SignedManifest | None:
+            key = (stage, replica, None if trusted is None else frozenset(trusted))
+            if key not in seen:
+                seen[key] = None
+                try:
+                    m = read_manifest(
+                        self.store,
+                        run_id=self.a.run_id,
+                        stage=stage,
+                        replica=replica,
+                        round=rnd,
+                        trusted=trusted,
+                    )
+                    _check_step(m, step)
+                    seen[key] = m
+                except CheckpointMissing:
+                    pass  # none there: a round beyond this slot's newest, or one still being written
+                except CheckpointRefused as e:
+                    self._refuse(rnd, e)
+            return seen[key]
+
+        return read
 
     def _manifests(
         self, stage: int, rnd: int, signers: dict[int, set[bytes]] | None
@@ -272,6 +375,14 @@ class StageCheckpoints:
                     f"its anchor {got[:16]}... is not the one the other replicas' checkpoints of round {rnd} "
                     "sign: the consensus of that round is another",
                 )
+            held = group_anchor_sha256(a.spec, ck.tensors) if c.groups else {}
+            for g, agreed in (c.groups or {}).items():
+                if None not in agreed and held.get(g) not in agreed:
+                    raise CheckpointRefused(
+                        c.manifest.manifest.tensors_key,
+                        f"its anchor of {_group_name(a.spec, g)} is not the one the other replicas' "
+                        f"checkpoints of round {rnd} sign: the consensus of that round is another",
+                    )
         except CheckpointRefused as e:
             self._refuse(rnd, e)
             return None
@@ -281,7 +392,7 @@ class StageCheckpoints:
         """Later stage -> replica -> its signers, from the assignment archive (rule 4); {} for the last
         stage; None without an operator or a readable archive."""
         a = self.a
-        if a.stage == a.spec.stages - 1:
+        if a.stage == a.spec.stages_of(a.replica) - 1:
             return {}
         if self.operator is None:
             return None
@@ -293,7 +404,13 @@ class StageCheckpoints:
                 a.run_id,
             )
             return None
-        return {s: slot_signers(archived, s) for s in range(a.stage + 1, a.spec.stages)}
+        # a mixed-layout run's later stages have witnesses at any stage index of the other replicas
+        stages = (
+            range(a.spec.max_stages)
+            if a.spec.mixed_layout
+            else range(a.stage + 1, a.spec.stages_of(a.replica))
+        )
+        return {s: slot_signers(archived, s) for s in stages}
 
     def _refuse(self, rnd: int | None, e: CheckpointRefused) -> None:
         refusal = Refusal(round=rnd, key=e.key, reason=e.reason)
@@ -312,6 +429,8 @@ class StageCheckpoints:
         def upload() -> None:
             meta: dict[str, int | float | str] = {"data_seed": a.spec.train.data_seed, "data_step": step}
             meta[ANCHOR_META] = anchor_sha256(snapshot)  # what the other replicas' checkpoints compare
+            if a.spec.mixed_layout:  # replicas of another split compare layer group by layer group
+                meta.update(group_anchor_meta(a.spec, snapshot))
             try:
                 write_checkpoint(
                     self.store,
@@ -369,6 +488,57 @@ def _vouched(
             f"{stage} round {rnd} sign: the consensus of that round is another",
         )
     return agreed
+
+
+def _group_vouched(
+    spec: RunSpec,
+    stage: int,
+    replica: int,
+    rnd: int,
+    own: SignedManifest,
+    read: ReadManifest,
+    table: LaterSigners,
+    me: int,
+) -> dict[int, set[str | None]]:
+    """Rule 3 per layer group (a mixed-layout run): for each group g of `replica`'s `stage`, the digests of
+    g's anchor that the other replicas' manifests of the stage holding g there sign (`read`, signed by the
+    slot's keys in `table`, stage -> replica -> keys; None: any valid signature), counting only those signed
+    by another node than `own`'s; `_vouched`'s exceptions per group (no other replica known to hold g: left
+    out; its one other replica the reader's own, `me`, without a checkpoint of `rnd`: left out). Raises
+    CheckpointRefused when none vouches for a group, or none for the digest `own` claims."""
+    out: dict[int, set[str | None]] = {}
+    for g in spec.groups_of(replica, stage):
+        slots = [(r, spec.stage_of_group(r, g)) for r in range(spec.replicas) if r != replica]
+        slots = [(r, s) for r, s in slots if table is None or r in table.get(s, {})]
+        if not slots:
+            continue
+        found = {r: read(s, r, None if table is None else table[s][r]) for r, s in slots}
+        agreed = {
+            m.group_anchor_sha256(g) for m in found.values() if m is not None and m.signer != own.signer
+        }
+        if not agreed and list(found) == [me] and found[me] is None:
+            continue
+        name = _group_name(spec, g)
+        if not agreed:
+            raise CheckpointRefused(
+                own.key,
+                f"no other replica's checkpoint of {name} at round {rnd} vouches for it (replicas "
+                f"{list(found)} asked): a round counts only when two nodes of two replicas checkpointed it",
+            )
+        claimed = own.group_anchor_sha256(g)
+        if claimed is not None and None not in agreed and claimed not in agreed:
+            raise CheckpointRefused(
+                own.key,
+                f"its digest {claimed[:16]}... of {name}'s anchor is not the one the other replicas' "
+                f"checkpoints of round {rnd} sign: the consensus of that round is another",
+            )
+        out[g] = agreed
+    return out
+
+
+def _group_name(spec: RunSpec, g: int) -> str:
+    a, b = spec.layer_groups()[g]
+    return f"layer group {g} (layers {a}-{b - 1})"
 
 
 def _check_step(m: SignedManifest, step: int | None) -> None:

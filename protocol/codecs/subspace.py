@@ -38,7 +38,7 @@ import math
 import struct
 import sys
 import zlib
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from enum import IntEnum
 from typing import TYPE_CHECKING, Literal
@@ -553,24 +553,54 @@ class SubspacePlan:
     """layer -> k that its attn.wo and mlp.w_down outputs are confined to; absent = full-rank."""
 
 
-def subspace_plan(
-    model_spec: ModelSpec, pipeline_spec: PipelineSpec, ranges: list[tuple[int, int]]
-) -> SubspacePlan:
-    """wire_k[b] = min(link_k[b:]); k(l) = min{wire_k[b] < d : boundary b after layer l}; E: min over all."""
+Layout = tuple[Sequence[tuple[int, int]], Sequence[int]]
+"""One replica shape's (layer ranges, link_k) (`RunSpec.layouts`)."""
+
+
+def _check_layout(
+    model_spec: ModelSpec, ranges: Sequence[tuple[int, int]], link_k: Sequence[int]
+) -> tuple[int, ...]:
+    """The layout's link widths (d where dense), after checking the ranges cover the model in order."""
     d, S = model_spec.d_model, len(ranges)
     if not ranges or ranges[0][0] != 0 or ranges[-1][1] != model_spec.n_layers:
-        raise ValueError(f"layer ranges {ranges} must cover layers 0..{model_spec.n_layers} in order")
+        raise ValueError(f"layer ranges {list(ranges)} must cover layers 0..{model_spec.n_layers} in order")
     if any(a >= b for a, b in ranges) or any(p[1] != q[0] for p, q in zip(ranges, ranges[1:], strict=False)):
-        raise ValueError(f"layer ranges {ranges} must be contiguous and non-empty")
-    link_k = tuple(pipeline_spec.link_k) if pipeline_spec.link_k else (d,) * (S - 1)
-    if len(link_k) != S - 1:
-        raise ValueError(f"pipeline.link_k has {len(link_k)} values; a {S}-stage split has {S - 1} links")
-    for k in link_k:
+        raise ValueError(f"layer ranges {list(ranges)} must be contiguous and non-empty")
+    ks = tuple(link_k) if link_k else (d,) * (S - 1)
+    if len(ks) != S - 1:
+        raise ValueError(f"pipeline.link_k has {len(ks)} values; a {S}-stage split has {S - 1} links")
+    for k in ks:
         if not 0 < k <= d:
             raise ValueError(f"pipeline.link_k value {k} must be in 1..d_model={d}")
+    return ks
+
+
+def _compressed(d: int, ranges: Sequence[tuple[int, int]], link_k: tuple[int, ...]) -> list[tuple[int, int]]:
+    """(layer the boundary sits before, wire k) of each compressed boundary of one layout."""
+    wire_k = [min(link_k[b:]) for b in range(len(link_k))]
+    return [(end, k) for (_, end), k in zip(ranges[:-1], wire_k, strict=True) if k < d]
+
+
+def subspace_plan(
+    model_spec: ModelSpec,
+    pipeline_spec: PipelineSpec,
+    ranges: Sequence[tuple[int, int]],
+    *,
+    layouts: Sequence[Layout] = (),
+) -> SubspacePlan:
+    """wire_k[b] = min(link_k[b:]); k(l) = min{wire_k[b] < d : boundary b after layer l}; E: min over all.
+
+    `layouts`: every (ranges, link_k) of the run's replicas (`RunSpec.layouts`; empty: this one alone).
+    The plan is the model's, one for every shape: k(l) and E's k are the minima over all layouts' compressed
+    boundaries, so each layer's consensus lies in a span every shape's links carry exactly; wire_k and
+    boundaries are this layout's (`ranges`, `pipeline_spec.link_k`)."""
+    d = model_spec.d_model
+    link_k = _check_layout(model_spec, ranges, pipeline_spec.link_k)
     boundaries = tuple(end for _, end in ranges[:-1])
-    wire_k = tuple(min(link_k[b:]) for b in range(S - 1))
-    compressed = [(at, k) for at, k in zip(boundaries, wire_k, strict=True) if k < d]
+    wire_k = tuple(min(link_k[b:]) for b in range(len(link_k)))
+    compressed = _compressed(d, ranges, link_k)
+    for other_ranges, other_k in layouts:
+        compressed += _compressed(d, other_ranges, _check_layout(model_spec, other_ranges, other_k))
     if not compressed:
         return SubspacePlan(
             d=d, link_k=link_k, wire_k=wire_k, boundaries=boundaries, k_max=None, embed_k=None

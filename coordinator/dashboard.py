@@ -290,7 +290,9 @@ function render() {
   grid.appendChild(head);
   r.grid.forEach((row, i) => {
     const mixed = r.batches && new Set(r.batches).size > 1;  // replicas of different batch sizes
-    const tr = el("tr"); tr.appendChild(el("td", mixed ? `${i} (batch ${r.batches[i]})` : String(i), "l"));
+    const split = r.splits && new Set(r.splits.map(x => x.join("+"))).size > 1;  // or layer splits
+    const shape = [split ? `layers ${r.splits[i].join("+")}` : "", mixed ? `batch ${r.batches[i]}` : ""].filter(x => x);
+    const tr = el("tr"); tr.appendChild(el("td", shape.length ? `${i} (${shape.join(", ")})` : String(i), "l"));
     for (const c of row) {
       if (!c) { tr.appendChild(el("td", "-", "cell")); continue; }
       const what = c.state === "dropped out" ? `dropped out at step ${c.step}` : `${c.state} step ${c.step} ${fmt(c.tokens_per_s, 0)} tok/s`;

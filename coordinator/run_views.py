@@ -99,6 +99,9 @@ def run_view(
         "replicas": spec.replicas,
         "stages": spec.max_stages,
         "batches": [spec.batch_of(r) for r in range(spec.replicas)],  # sequences a step ([[shapes]])
+        "splits": [
+            [b - a for a, b in spec.layer_ranges(r)] for r in range(spec.replicas)
+        ],  # layers per stage
         "total_steps": spec.train.total_steps,
         "sync": spec.sync.method,
         "model": {"d_model": m.d_model, "n_layers": m.n_layers, "seq_len": m.seq_len, "vocab": m.vocab},

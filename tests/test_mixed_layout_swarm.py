@@ -5,6 +5,8 @@ fragments keyed by layer group, with k < d subspace links on every boundary."""
 from __future__ import annotations
 
 import hashlib
+import json
+import urllib.request
 from pathlib import Path
 
 import pytest
@@ -20,6 +22,7 @@ from protocol.runspec import RunSpec, load_run_spec
 from protocol.trust.assignment_archive import read_archive
 from protocol.trust.delegation import OperatorTrust
 from scripts.local_swarm import Swarm
+from tests.helpers.observability import chromium
 from tests.test_export import hf_logits, sample_tokens
 from tests.test_swarm import run_metrics, wait_until
 
@@ -134,6 +137,13 @@ def test_replicas_of_two_splits_train_one_model(swarm: Swarm, tmp_path: Path) ->
         for g, digest in m["group_sha256"].items():
             held.setdefault(g, set()).add(digest)
     assert sorted(held) == ["0", "1", "2", "3"] and all(len(v) == 1 for v in held.values()), held
+    # the coordinator's dashboard API shows each replica's split, batch and nodes
+    with urllib.request.urlopen(f"{swarm.dashboard}api/runs/{RUN_ID}", timeout=10) as resp:
+        view = json.load(resp)
+    assert view["splits"] == [[3, 3], [2, 2, 2]] and view["batches"] == [4, 8] and view["stages"] == 3
+    assert [len(row) for row in view["grid"]] == [2, 3]
+    dom = chromium(f"{swarm.dashboard}?run={RUN_ID}", "--virtual-time-budget=3000", "--dump-dom")
+    assert "0 (layers 3+3, batch 4)" in dom and "1 (layers 2+2+2, batch 8)" in dom, dom[:3000]
     # validation on each replica's last stage falls
     for slot in ((0, 1), (1, 2)):
         val = by_slot[slot]["val_history"]

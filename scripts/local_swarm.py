@@ -1223,7 +1223,8 @@ def build_report(
         "replicas_done": sorted(complete),
         "seconds": round(seconds, 1),
         "steps": steps,
-        "tokens": sum(m["step"] for m in ms if m["stage"] == 0) * 8 * 256,
+        # what the first stages trained (each replica at its own batch; a rebuilt one since it resumed)
+        "tokens": sum(m["tokens"] for m in ms if m["stage"] == 0),
         "val_bpb_start": round(sum(start) / len(start), 4) if start else None,
         "val_bpb_end": round(sum(end) / len(end), 4) if end else None,
         "val_bpb_drop": round(1 - sum(end) / sum(start), 4) if start and end else None,

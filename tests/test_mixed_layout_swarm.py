@@ -76,14 +76,16 @@ def swarm(tmp_path_factory):
         assert not bad, f"processes did not exit cleanly: {bad}"
 
 
-def layer_digests(spec: RunSpec, anchors: dict[str, torch.Tensor]) -> dict[int, str]:
-    """Layer group -> sha256 of its consensus anchor tensors (by name, in name order)."""
-    out: dict[int, hashlib._Hash] = {}
+def layer_digests(anchors: dict[str, torch.Tensor]) -> dict[str, str]:
+    """Layer ("layers.{l}", or "embed", "norm", "head") -> sha256 of its consensus anchor tensors."""
+    out: dict[str, hashlib._Hash] = {}
     for name in sorted(anchors):
-        out.setdefault(spec.group_of_param(name), hashlib.sha256()).update(
+        head, _, rest = name.partition(".")
+        layer = f"layers.{rest.partition('.')[0]}" if head == "layers" else head
+        out.setdefault(layer, hashlib.sha256()).update(
             name.encode() + anchors[name].contiguous().numpy().tobytes()
         )
-    return {g: h.hexdigest() for g, h in sorted(out.items())}
+    return {layer: h.hexdigest() for layer, h in sorted(out.items())}
 
 
 def replica_logits(
@@ -165,8 +167,8 @@ def test_replicas_of_two_splits_train_one_model(swarm: Swarm, tmp_path: Path) ->
         assert ck is not None, f"no checkpoint of replica {r} stage {s} at round {ROUNDS}"
         anchors[r].update({k[len("anchor.") :]: v for k, v in ck.tensors.items() if k.startswith("anchor.")})
     assert set(anchors[0]) == set(anchors[1])
-    d0, d1 = layer_digests(spec, anchors[0]), layer_digests(spec, anchors[1])
-    assert sorted(d0) == [0, 1, 2, 3] and d0 == d1, (d0, d1)
+    d0, d1 = layer_digests(anchors[0]), layer_digests(anchors[1])
+    assert len(d0) == 6 + 3 and d0 == d1, (d0, d1)  # every layer, the embedding, final norm and head
     # the store keys the fragments by layer group: four groups, each written by both replicas
     for g in range(4):
         for r in (0, 1):

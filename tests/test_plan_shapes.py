@@ -149,7 +149,7 @@ def test_cli_prints_both_placements_on_the_example_pool(capsys: pytest.CaptureFi
     for plan in (c.mixed, c.uniform):
         assert f"MFU {plan.effective_mfu:.1%}" in report and f"${plan.usd_per_mtok:,.4f}/Mtok" in report
     assert "more tokens/s than the best uniform" in report
-    assert "the swarm does not yet run replicas of different stage counts" in report
+    assert "the coordinator does not pick them itself" in report
     assert plan_main([*argv, "--json"]) == 0
     shapes = json.loads(capsys.readouterr().out)["shapes"]
     assert shapes["mixed"]["tokens_per_s"] == pytest.approx(c.mixed.tokens_per_s)

@@ -49,7 +49,8 @@ Predict tokens/s, effective MFU, low-bandwidth tax (1 - MFU/ceiling) and $/Mtok 
 stages of a GPU pool, and compare with a reserved cluster. With --measured-tokens-per-s, also price a
 measured throughput on the same GPUs. When the pool's hosts differ in memory, also a mixed-shape
 placement (each memory class at the fewest stages it fits) beside the best uniform one: a planning
-figure, the swarm does not yet run replicas of different stage counts. Formulas: docs/economics.md."""
+figure, which the swarm runs when the run spec states those shapes ([[shapes]] with stages; the coordinator
+does not pick them itself). Formulas: docs/economics.md."""
 
 EXAMPLES = """\
 examples:
@@ -454,7 +455,10 @@ def report(res: PlanResult) -> str:
     return "\n".join(lines)
 
 
-MIXED_NOTE = "a planning figure: the swarm does not yet run replicas of different stage counts"
+MIXED_NOTE = (
+    "a planning figure: the swarm runs it when the run spec states those shapes ([[shapes]] with stages); "
+    "the coordinator does not pick them itself"
+)
 
 
 def _group_names(plan: ShapePlan, g: int) -> str:

@@ -8,7 +8,8 @@ R the run's replica count (every replica fetches the fragments of all the others
 the sum over replicas (they never wait on each other, DESIGN section 2) and MFU and $/Mtok are the
 planner's definitions over every placed host (`placed_figures`).
 
-The swarm does not yet run replicas of different stage counts: the mixed figure is a plan, not a run.
+The swarm runs replicas of different stage counts when the run spec states them ([[shapes]] with stages,
+coordinator/plan/layout_classes.py places them); the coordinator does not choose them from a pool itself.
 """
 
 from __future__ import annotations

@@ -312,6 +312,11 @@ class Assignment:
                     check_range(f"Assignment.{where}[{g}][{r}] length", len(names), 0, MAX_FORMER_PEERS)
                     for peer in names:
                         _check_text(f"Assignment.{where}[{g}][{r}]", peer, empty_ok=False)
+        if self.spec.mixed_layout and mine and {int(g) for g in self.group_peers} != mine:
+            raise ValueError(
+                f"Assignment.group_peers names layer groups {sorted(self.group_peers)}: a run whose replicas "
+                f"differ in split needs the signers of each of the stage's groups {sorted(mine)}"
+            )
 
 
 @dataclass(kw_only=True, frozen=True)

@@ -265,3 +265,59 @@ def test_each_layout_class_is_placed_on_nodes_that_fit_its_stages() -> None:
     assert pl.tokens_per_s > 0
     with pytest.raises(PlacementError, match=r"replicas \[0\] \(2 stages\)"):
         place_run([pool[0], *pool[2:], node(5, 3.5, 5)], spec)
+
+
+def test_a_stage_of_four_groups_puts_every_group_s_fragment_in_time(
+    store: ObjectStore, closer: list[OuterSync]
+) -> None:
+    """Each group's exchange holds an I/O thread from its put until its round settles: a stage holding 4
+    groups still puts all 4 fragments at the capture (a pool of 2 threads sent groups 2 and 3 after the
+    first two settled, past a 1 s deadline), and a checkpoint of a build before groups (error feedback
+    named "ef.{f}.{j}") restores into a stage of one group."""
+    run_id = f"groups-four-{time.monotonic_ns()}"
+    shapes = {g: [(32, 16)] for g in range(4)}
+    syncs = []
+    for r in range(2):
+        syncs.append(
+            OuterSync(
+                [torch.nn.Parameter(torch.full(shapes[g][0], 0.01 * g)) for g in range(4)],
+                store=store,
+                codec=SparseLoCoCodec((NODE[0, 0], NODE[1, 0])[r], CFG),
+                aggregate=make_aggregator(AGG),
+                run_id=run_id,
+                stage=0,
+                replica=r,
+                stage_peers={0: NODE[0, 0].peer_id, 1: NODE[1, 0].peer_id},
+                groups={g: [g] for g in range(4)},
+                schedule=Schedule(H=H, P=1, tau=0),
+                alpha=1.0,
+                timeout_s=1.0,
+                poll_s=0.01,
+            )
+        )
+    closer.extend(syncs)
+    for step in range(1, H + 1):
+        for s in syncs:
+            inner_step(s, step)
+        for s in syncs:
+            s.capture_due(step)
+        for s in syncs:
+            s.apply_due(step)
+    for s in syncs:
+        assert s.stats.last_contributors == [0, 1] and s.stats.not_uploaded == 0 and s.stats.missing == 0
+        assert s.stats.rounds_applied == 4  # one per group
+    old = {f"codec.ef.0.{j}": torch.ones(4, 4) for j in range(2)}
+    one = owners(store, f"groups-old-{time.monotonic_ns()}")[1, 1]  # a stage of one group (1)
+    closer.append(one)
+    one.codec.load_state({})
+    one.load_state_tensors(
+        [f"p{i}" for i in range(len(one.params))],
+        {**{f"anchor.p{i}": p.detach() for i, p in enumerate(one.params)}, **old},
+    )
+    assert [t.shape for t in one.codec.residual(1, 0)] == [torch.Size([4, 4])] * 2
+
+
+def test_a_mixed_run_s_assignment_names_every_group_of_its_stage() -> None:
+    base = dict(run_id="groups", term=1, epoch=1, peer_id="12D3KooWnode", replica=1, stage=1, layers=[2, 4])
+    with pytest.raises(ValueError, match=r"needs the signers of each of the stage's groups \[1, 2\]"):
+        Assignment(spec=SPEC, group_peers={"1": {"0": "A", "1": "B"}}, **base)  # type: ignore[arg-type]

@@ -50,7 +50,7 @@ class LayoutClass:
 def layout_classes(spec: RunSpec) -> list[LayoutClass]:
     """The run's replicas grouped by (layer ranges, link_k), fewest stages first (a run whose replicas
     share one split: one class, the run itself)."""
-    if not spec.mixed_layout:
+    if len(spec.layouts()) == 1:
         return [LayoutClass(tuple(range(spec.replicas)), spec)]
     by: dict[tuple[tuple[tuple[int, int], ...], tuple[int, ...]], list[int]] = {}
     for r in range(spec.replicas):
@@ -153,7 +153,7 @@ class RunPrediction:
         return usd_per_s / self.tokens_per_s * 1e6 if self.tokens_per_s > 0 else float("inf")
 
     def _by_peak(self, field: str) -> float:
-        peak = [p.n_gpus * p.peak_tflops for p in self.parts]
+        peak = [p.peak_tflops for p in self.parts]  # each class's hosts' peaks, summed
         return sum(w * getattr(p, field) for w, p in zip(peak, self.parts, strict=True)) / max(
             sum(peak), 1e-30
         )

@@ -72,6 +72,15 @@ ANCHOR_IN_SPAN = "sync.anchor_in_span"
 checkpoint's anchor is projected on restore, identically on every replica)."""
 
 
+def _in_group(key: str, group: int) -> str:
+    """A codec state name of a build before fragments were keyed by layer group ("ef.{f}.{j}") as this
+    build names it ("ef.{group}.{f}.{j}"); any other name as it is."""
+    parts = key.split(".")
+    if len(parts) == 3 and parts[1].isdigit() and parts[2].isdigit():
+        return f"{parts[0]}.{group}.{parts[1]}.{parts[2]}"
+    return key
+
+
 @dataclass
 class _Pending:
     fid: FragmentId
@@ -174,7 +183,9 @@ class OuterSync:
         self.outer_m = [torch.zeros_like(p) for p in params] if momentum > 0 else []
         self.stats = SyncStats()
         self._pending: list[_Pending] = []
-        self._io = ThreadPoolExecutor(max_workers=2, thread_name_prefix="outer-io")
+        # each group's exchange holds a thread from its put until its round settles: two per group, so
+        # every group's fragment goes up at its capture and two of its fragments can overlap
+        self._io = ThreadPoolExecutor(max_workers=2 * len(self.groups), thread_name_prefix="outer-io")
         self._lock = threading.Lock()
         self.exchanges: dict[int, Exchange] = {
             g: RoundExchange(
@@ -275,7 +286,10 @@ class OuterSync:
                 for ts in (self.anchor, self.outer_m):
                     for i, t in enumerate(ts):
                         t.copy_(self.confine.consensus(i, t.cpu()).to(t.device))
-        self.codec.load_state({k[len("codec.") :]: v for k, v in state.items() if k.startswith("codec.")})
+        codec = {k[len("codec.") :]: v for k, v in state.items() if k.startswith("codec.")}
+        if len(self.groups) == 1:  # an older build's "ef.{f}.{j}": its stage was its one group
+            codec = {_in_group(k, next(iter(self.groups))): v for k, v in codec.items()}
+        self.codec.load_state(codec)
         by_group = any(k.startswith("exchange.g") for k in state)
         for g, ex in self.exchanges.items():
             head = f"exchange.g{g}." if by_group else "exchange."  # an older build's: its stage, one group

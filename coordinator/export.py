@@ -41,6 +41,7 @@ from safetensors.torch import save_file
 from coordinator.lease import stored_record
 from protocol import keys
 from protocol.checkpoint import (
+    Checkpoint,
     CheckpointMissing,
     CheckpointRefused,
     SignedManifest,
@@ -420,18 +421,8 @@ def _read_agreed(
     the digest its group signs; None (reasons in `why`)."""
     for digest, group in agreed:
         for replica, m in group:
-            try:
-                ck = read_round(
-                    store,
-                    run_id=spec.run_id,
-                    stage=stage,
-                    replica=replica,
-                    round=rnd,
-                    trusted=signers.get(replica, set()),
-                    manifest_sha256=m.sha256,
-                )
-            except CheckpointRefused as e:
-                why.append(f"round {rnd} stage {stage} replica {replica}: {e}")
+            ck = _read_pinned(store, spec, stage, replica, rnd, signers, m, why)
+            if ck is None:
                 continue
             if digest is not None and anchor_sha256(ck.tensors) != digest:
                 why.append(
@@ -589,8 +580,24 @@ def _read_stage(
     why: list[str],
 ) -> tuple[dict[str, torch.Tensor], dict[int, str]] | None:
     """The checkpoint `m` names, verified (pinned to `m`): (its consensus state, its group anchor digests)."""
+    ck = _read_pinned(store, spec, stage, replica, rnd, signers, m, why)
+    return None if ck is None else (stage_state(ck.tensors), group_anchor_sha256(spec, ck.tensors))
+
+
+def _read_pinned(
+    store: ObjectStore,
+    spec: RunSpec,
+    stage: int,
+    replica: int,
+    rnd: int,
+    signers: dict[int, set[bytes]],
+    m: SignedManifest,
+    why: list[str],
+) -> Checkpoint | None:
+    """The checkpoint manifest `m` names, signed by a signer of its slot and pinned to `m`; None, the reason
+    in `why`, when refused."""
     try:
-        ck = read_round(
+        return read_round(
             store,
             run_id=spec.run_id,
             stage=stage,
@@ -602,4 +609,3 @@ def _read_stage(
     except CheckpointRefused as e:
         why.append(f"round {rnd} stage {stage} replica {replica}: {e}")
         return None
-    return stage_state(ck.tensors), group_anchor_sha256(spec, ck.tensors)

@@ -1,0 +1,129 @@
+"""The pair result of one butterfly exchange (issue 23), computed bit-identically by both ends of a pair.
+
+Once replicas have mixed with different partners their anchors differ, so a pseudo-gradient alone does not
+let two ends agree on a result. Each end i of pair (i, k) sends, for one fragment, one signed message of
+two parts, compressed by the SparseLoCo codec:
+
+    c_i = Q(e_i)       e_i = beta e_i + Delta_i        the pseudo-gradient, with the codec's error feedback
+    z_i = Q(A_i - B)                                   its anchor's difference from the pair's base B
+
+B is the pair result of the pair's previous exchange of this fragment (both ends computed it, so both hold
+it), or the run's initial weights before the pair first met. From the decoded parts (c', z'), both ends
+compute, on the host in float64 in replica order (lower first):
+
+    screen    each part finite and within the absolute bounds (max_abs, max_norm); else no pair result
+    clip      every c' to rho x min(||c'_i||, ||c'_k||), every z' to rho x min(||z'_i||, ||z'_k||)
+    P       = B + (z'_i + z'_k) / 2 - alpha (w_i c'_i + w_k c'_k) / (w_i + w_k)
+
+and each end keeps what its own z' did not carry (the anchor difference's error feedback stays in its
+anchor, so nothing of it is lost and it is sent again at the next exchange, to whichever partner):
+
+    A_i <- P + ((A_i - B) - z'_i)                      = A_i + (z'_k - z'_i) / 2 - alpha c_bar
+
+The pair rule's bound: with two contributions no majority exists, so each end's parts are clipped to rho
+times the smaller of the two ends' norms (the same factor at both ends, so P stays one). A hostile partner
+h then moves an honest end p's anchor, beyond what p's own parts do, by at most
+
+    || z'_h / 2 - alpha w_h c'_h / (w_p + w_h) || <= rho (||z'_p|| / 2 + alpha w_h / (w_p + w_h) ||c'_p||)
+
+per exchange, whatever it sends (x100, a sign flip, float max): its norm is p's own times rho. Mixing only
+averages, so over later exchanges that displacement spreads over the replicas without growing in sum.
+"""
+
+from __future__ import annotations
+
+import hashlib
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass
+
+import numpy as np
+import torch
+
+from node.sync.aggregation import Rejection, norm, screen
+
+
+@dataclass(frozen=True)
+class PairResult:
+    """What one exchange of a fragment gives both ends of the pair."""
+
+    tensors: list[torch.Tensor]
+    """P: the pair result, float32 on the CPU (the pair's next base), the same bits at both ends."""
+    c: dict[int, list[torch.Tensor]]
+    """Each end's pseudo-gradient part as P used it (clipped), float32."""
+    z: dict[int, list[torch.Tensor]]
+    """Each end's anchor-difference part as P used it (clipped), float32."""
+    factors: dict[int, tuple[float, float]]
+    """Each end's clip factors (c part, z part); 1.0 unless clipped."""
+
+    @property
+    def sha256(self) -> str:
+        """Digest of P's float32 bytes: both ends of a pair publish it, and it must match."""
+        return digest(self.tensors)
+
+
+def digest(tensors: Sequence[torch.Tensor]) -> str:
+    h = hashlib.sha256()
+    for t in tensors:
+        h.update(t.detach().cpu().to(torch.float32).contiguous().numpy().tobytes())
+    return h.hexdigest()
+
+
+def _clip(
+    parts: dict[int, list[torch.Tensor]], ratio: float
+) -> tuple[dict[int, list[torch.Tensor]], dict[int, float]]:
+    """Scale each end's part to at most ratio x the smaller of the ends' norms (float32-rounded factor)."""
+    norms = {j: norm(ts) for j, ts in sorted(parts.items())}
+    limit = ratio * min(norms.values())
+    out, factors = {}, {}
+    for j, ts in sorted(parts.items()):
+        f = float(np.float32(limit / norms[j])) if norms[j] > limit else 1.0
+        factors[j] = f
+        out[j] = [t * f for t in ts] if f != 1.0 else list(ts)
+    return out, factors
+
+
+def pair_result(
+    contribs: Mapping[int, Sequence[torch.Tensor]],
+    base: Sequence[torch.Tensor],
+    *,
+    alpha: float,
+    ratio: float,
+    max_abs: float,
+    max_norm: float,
+    weights: Mapping[int, float] | None = None,
+) -> tuple[PairResult | None, list[Rejection]]:
+    """P from the two ends' decoded messages (replica -> [c tensors..., z tensors...], n of each for the
+    fragment's n parameters of `base`'s shapes), or (None, why) when a message fails the screen: the
+    exchange is then skipped by both ends. weights: each end's token weight (None: equal)."""
+    if len(contribs) != 2:
+        raise ValueError(f"a pair result needs the two ends' messages, got {sorted(contribs)}")
+    n = len(base)
+    shapes = [tuple(t.shape) for t in base] * 2
+    ok, rejected = screen(contribs, shapes, max_abs=max_abs, max_norm=max_norm)
+    if rejected:
+        return None, rejected
+    c, fc = _clip({j: ts[:n] for j, ts in ok.items()}, ratio)
+    z, fz = _clip({j: ts[n:] for j, ts in ok.items()}, ratio)
+    lo, hi = sorted(ok)
+    w = {j: float((weights or {}).get(j, 1.0)) for j in (lo, hi)}
+    out = []
+    for i, b in enumerate(base):
+        zbar = (z[lo][i].double() + z[hi][i].double()) / 2
+        cbar = (w[lo] * c[lo][i].double() + w[hi] * c[hi][i].double()) / (w[lo] + w[hi])
+        out.append((b.detach().cpu().double() + zbar - alpha * cbar).float())
+    factors = {j: (fc[j], fz[j]) for j in (lo, hi)}
+    return PairResult(out, c, z, factors), []
+
+
+def anchor_after(
+    anchor: Sequence[torch.Tensor], base: Sequence[torch.Tensor], result: PairResult, me: int
+) -> list[torch.Tensor]:
+    """A_me <- P + ((A_me - B) - z'_me): the pair result plus what our own anchor difference did not carry
+    (float32, on the CPU; the caller moves it where the anchor lives)."""
+    return [
+        p + ((a.detach().cpu().float() - b.detach().cpu().float()) - zc)
+        for p, a, b, zc in zip(result.tensors, anchor, base, result.z[me], strict=True)
+    ]
+
+
+__all__ = ["PairResult", "anchor_after", "digest", "pair_result"]

@@ -1,0 +1,146 @@
+"""Butterfly mixing's building blocks (issue 23): the pairing rule (protocol/pairing.py) and the pair result
+with its pair trust rule (node/sync/pair_mix.py)."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from node.sync.aggregation import norm
+from node.sync.pair_mix import anchor_after, pair_result
+from protocol.codecs.sparseloco import SparseLoCoConfig, compress, decompress
+from protocol.pairing import butterfly_stages, exchanges_to_mix, pairs, partner
+
+BOUNDS = {"alpha": 1.0, "ratio": 2.0, "max_abs": 1e3, "max_norm": 1e5}
+
+
+@pytest.mark.parametrize("n", range(2, 34))
+def test_pairing_is_symmetric_and_mixes_within_two_L(n: int) -> None:
+    L = butterfly_stages(n)
+    for rnd in range(2 * L):
+        for f in range(3):
+            for i in range(n):
+                p = partner(i, rnd, f, n)
+                assert p is None or (p != i and partner(p, rnd, f, n) == i)
+    for f in range(3):
+        mix = exchanges_to_mix(n, f)
+        assert mix == L if n & (n - 1) == 0 else L <= mix <= 2 * L
+
+
+def test_each_fragment_of_a_round_has_its_own_pairing() -> None:
+    assert pairs(0, 0, 8) == [(0, 1), (2, 3), (4, 5), (6, 7)]
+    assert pairs(0, 1, 8) == [(0, 2), (1, 3), (4, 6), (5, 7)]
+    assert pairs(1, 0, 8) == pairs(0, 1, 8)  # the stage advances per round as well
+    assert partner(2, 0, 2, 6) is None and partner(6 ^ 4, 0, 2, 6) is None  # 2-6 and 3-7 sit out
+
+
+def test_pairing_refuses_what_it_cannot_pair() -> None:
+    with pytest.raises(ValueError, match="at least 2 replicas"):
+        partner(0, 0, 0, 1)
+    with pytest.raises(ValueError, match="not one of the run's 4"):
+        partner(4, 0, 0, 4)
+
+
+def _message(c: list[torch.Tensor], z: list[torch.Tensor]) -> list[torch.Tensor]:
+    return [*c, *z]
+
+
+def test_both_ends_compute_the_same_pair_result() -> None:
+    g = torch.Generator().manual_seed(1)
+    base = [torch.randn(8, 8, generator=g), torch.randn(8, generator=g)]
+    a = _message(
+        [torch.randn(8, 8, generator=g) * 1e-2, torch.randn(8, generator=g) * 1e-2],
+        [torch.randn(8, 8, generator=g) * 1e-3, torch.randn(8, generator=g) * 1e-3],
+    )
+    b = _message(
+        [torch.randn(8, 8, generator=g) * 1e-2, torch.randn(8, generator=g) * 1e-2],
+        [torch.randn(8, 8, generator=g) * 1e-3, torch.randn(8, generator=g) * 1e-3],
+    )
+    at_3, _ = pair_result({3: a, 5: b}, base, weights={3: 2.0, 5: 1.0}, **BOUNDS)
+    at_5, _ = pair_result({5: b, 3: a}, base, weights={5: 1.0, 3: 2.0}, **BOUNDS)
+    assert at_3 is not None and at_5 is not None and at_3.sha256 == at_5.sha256
+    want = base[0].double() + (a[2].double() + b[2].double()) / 2 - (2 * a[0].double() + b[0].double()) / 3
+    assert torch.allclose(at_3.tensors[0].double(), want, atol=1e-6)
+    assert at_3.factors == {3: (1.0, 1.0), 5: (1.0, 1.0)}  # honest parts of like norm: nothing clipped
+
+
+def test_lossless_butterfly_reaches_the_mean_in_L_exchanges_and_conserves_the_sum() -> None:
+    """With no training (c = 0) and exact anchor differences, L exchanges are the butterfly all-reduce."""
+    n, g = 8, torch.Generator().manual_seed(2)
+    init = [torch.randn(16, 16, generator=g)]
+    anchors = [[init[0] + torch.randn(16, 16, generator=g) * 0.1] for _ in range(n)]
+    mean = sum(a[0].double() for a in anchors) / n
+    bases: dict[tuple[int, int], list[torch.Tensor]] = {}
+    for rnd in range(butterfly_stages(n)):
+        for lo, hi in pairs(rnd, 0, n):
+            b = bases.get((lo, hi), init)
+            msg = {j: [torch.zeros(16, 16), anchors[j][0] - b[0]] for j in (lo, hi)}
+            res, rej = pair_result(msg, b, **BOUNDS)
+            assert res is not None and not rej
+            anchors[lo], anchors[hi] = (
+                anchor_after(anchors[lo], b, res, lo),
+                anchor_after(anchors[hi], b, res, hi),
+            )
+            bases[lo, hi] = res.tensors
+    for a in anchors:
+        assert torch.allclose(a[0].double(), mean, atol=1e-5)
+
+
+def test_compressed_anchor_differences_lose_nothing() -> None:
+    """z' = Q(A - B) carries part of the difference; what it does not stays in each end's anchor, so the
+    pair's sum is conserved and the spread shrinks exchange after exchange."""
+    n, g, cfg = 4, torch.Generator().manual_seed(3), SparseLoCoConfig(k=64, chunk=256)
+    init = [torch.randn(32, 32, generator=g)]
+    anchors = [[init[0] + torch.randn(32, 32, generator=g) * 0.1] for _ in range(n)]
+    total = sum(a[0].double() for a in anchors)
+    bases: dict[tuple[int, int], list[torch.Tensor]] = {}
+
+    def spread() -> float:
+        m = sum(a[0].double() for a in anchors) / n
+        return max(float((a[0].double() - m).norm()) for a in anchors)
+
+    before = spread()
+    for rnd in range(6):
+        for lo, hi in pairs(rnd, 0, n):
+            b = bases.get((lo, hi), init)
+            msg = {
+                j: [torch.zeros(32, 32), decompress(compress([anchors[j][0] - b[0]], cfg))[0]]
+                for j in (lo, hi)
+            }
+            res, _ = pair_result(msg, b, **BOUNDS)
+            assert res is not None
+            anchors[lo], anchors[hi] = (
+                anchor_after(anchors[lo], b, res, lo),
+                anchor_after(anchors[hi], b, res, hi),
+            )
+            bases[lo, hi] = res.tensors
+    assert torch.allclose(sum(a[0].double() for a in anchors), total, atol=1e-4)
+    assert spread() < 0.8 * before
+
+
+@pytest.mark.parametrize("kind", ["x100", "flip"])
+def test_a_hostile_partner_moves_an_honest_end_by_at_most_the_pair_bound(kind: str) -> None:
+    g = torch.Generator().manual_seed(4)
+    base = [torch.randn(8, 8, generator=g)]
+    anchor = [base[0] + torch.randn(8, 8, generator=g) * 1e-2]
+    honest = [torch.randn(8, 8, generator=g) * 1e-2, anchor[0] - base[0]]
+    other = [torch.randn(8, 8, generator=g) * 1e-2, torch.randn(8, 8, generator=g) * 1e-2]
+    hostile = [t * 100 for t in other] if kind == "x100" else [-t for t in other]
+    res, _ = pair_result({0: honest, 1: hostile}, base, **BOUNDS)
+    assert res is not None
+    moved = anchor_after(anchor, base, res, 0)
+    own_only = [anchor[0] - BOUNDS["alpha"] * res.c[0][0] / 2 - res.z[0][0] / 2]  # what our parts alone do
+    bound = BOUNDS["ratio"] * (norm(honest[1:]) / 2 + BOUNDS["alpha"] / 2 * norm(honest[:1]))
+    assert norm([moved[0] - own_only[0]]) <= bound * (1 + 1e-6)
+    if kind == "x100":
+        assert res.factors[1][0] < 0.1 and res.factors[0] == (1.0, 1.0)
+
+
+def test_a_message_beyond_the_absolute_bounds_gives_no_pair_result() -> None:
+    base = [torch.zeros(4, 4)]
+    ok = [torch.full((4, 4), 1e-3), torch.full((4, 4), 1e-3)]
+    bad = [torch.full((4, 4), 1e30), torch.full((4, 4), 1e-3)]
+    res, rejected = pair_result({0: ok, 1: bad}, base, **BOUNDS)
+    assert res is None and [r.replica for r in rejected] == [1] and "max_abs" in rejected[0].reason
+    nan = [torch.full((4, 4), float("nan")), torch.zeros(4, 4)]
+    assert pair_result({0: ok, 1: nan}, base, **BOUNDS)[0] is None

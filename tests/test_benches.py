@@ -88,3 +88,11 @@ def test_bench_quality_mixed_batch_arm_weighs_by_tokens() -> None:
     H, seq = out["H"], out["seq_len"]
     assert out["round_tokens"]["mixed_tokens"] == {"0": H * 4 * seq, "1": H * 8 * seq}
     assert out["val_bpb"]["mixed_tokens"] is not None and out["missing"] == out["rejected"] == 0
+
+
+def test_bench_butterfly_reads_one_partner_message_per_round() -> None:
+    out = run_bench("scripts.bench_butterfly", "--replicas", "4,6,8", "--d", "64")
+    rows = {r["replicas"]: r for r in out["rows"]}
+    assert 1.5 < rows[8]["ratio_x_n_minus_1"] < 2.5  # two parts from one partner, not N - 1 fragments
+    assert rows[8]["butterfly_exchanges_to_mix"] == 3 and rows[4]["butterfly_exchanges_to_mix"] == 2
+    assert rows[6]["butterfly_sit_out_share"] > 0 == rows[8]["butterfly_sit_out_share"]

@@ -144,3 +144,27 @@ def test_a_message_beyond_the_absolute_bounds_gives_no_pair_result() -> None:
     assert res is None and [r.replica for r in rejected] == [1] and "max_abs" in rejected[0].reason
     nan = [torch.full((4, 4), float("nan")), torch.zeros(4, 4)]
     assert pair_result({0: ok, 1: nan}, base, **BOUNDS)[0] is None
+
+
+def test_a_pair_message_carries_error_feedback_on_its_pseudo_gradient_only() -> None:
+    from node.sync.exchange import FragmentId
+    from node.sync.sparseloco_sync import SparseLoCoCodec
+    from protocol.identity import Identity
+
+    g = torch.Generator().manual_seed(5)
+    ident = Identity.from_seed(b"\x07" * 32)
+    codec = SparseLoCoCodec(ident, SparseLoCoConfig(k=16, chunk=256, beta=0.5))
+    fid = FragmentId("run", 0, 0, 3, 1)
+    delta = [torch.randn(32, 32, generator=g), torch.randn(32, generator=g)]
+    diff = [torch.randn(32, 32, generator=g) * 1e-2, torch.randn(32, generator=g) * 1e-2]
+    data, own = codec.encode_pair(fid, delta, diff, tokens=5)()
+    shapes = [t.shape for t in delta] * 2
+    receiver = SparseLoCoCodec(Identity.from_seed(b"\x08" * 32), codec.cfg)
+    got = receiver.decode(fid, data, shapes, ident.peer_id)
+    assert len(got.tensors) == 4 and got.tokens == 5
+    assert all(torch.equal(a, b) for a, b in zip(got.tensors, own.tensors, strict=True))
+    e = codec.residual(0, 0)
+    assert len(e) == 2 and torch.allclose(e[0], delta[0] - got.tensors[0])  # Delta's residual kept
+    assert float((got.tensors[2] - diff[0]).norm()) < float(diff[0].norm())  # A - B carried in part
+    codec.restore(fid, got.tensors)  # a skipped exchange: the Delta part back, the other not
+    assert torch.allclose(codec.residual(0, 0)[0], delta[0], atol=1e-6)

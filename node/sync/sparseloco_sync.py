@@ -77,6 +77,20 @@ class SparseLoCoCodec(FragmentCodec):
     def encode(self, fid: FragmentId, delta: list[torch.Tensor], tokens: int) -> Encoding:
         """Update the fragment's buffer e and compress (on delta's device or the host); the returned
         `Encoding` gives (signed wire bytes, decode(c) with `tokens`) of this round's Delta."""
+        return self._encode(fid, delta, [], tokens)
+
+    def encode_pair(
+        self, fid: FragmentId, delta: list[torch.Tensor], anchor_diff: list[torch.Tensor], tokens: int
+    ) -> Encoding:
+        """A butterfly pair's message (node/sync/pair_mix.py): one fragment of [Delta..., A - B...], error
+        feedback on the Delta part only (what the anchor difference does not carry stays in the anchor,
+        so a second buffer would count it twice). Its decode holds both parts, Delta's first."""
+        return self._encode(fid, delta, anchor_diff, tokens)
+
+    def _encode(
+        self, fid: FragmentId, delta: list[torch.Tensor], fresh: list[torch.Tensor], tokens: int
+    ) -> Encoding:
+        """The error-feedback step on delta, with `fresh` tensors compressed alongside from a zero buffer."""
         on_device = self.device_path if self.device_path is not None else bool(delta and delta[0].is_cuda)
         where = delta[0].device if on_device and delta else torch.device("cpu")
         e = self.e.get((fid.stage, fid.fragment))
@@ -84,12 +98,14 @@ class SparseLoCoCodec(FragmentCodec):
             e = [torch.zeros(d.shape, dtype=torch.float32, device=where) for d in delta]
         elif e and e[0].device != where:  # restored from a checkpoint on the CPU: move it, keep it
             e = [t.to(where) for t in e]
+        zeros = [torch.zeros(t.shape, dtype=torch.float32, device=where) for t in fresh]
         if on_device:
             from protocol.codecs.sparseloco_device import error_feedback_step_device
 
-            cf, self.e[fid.stage, fid.fragment] = error_feedback_step_device(e, delta, self.cfg)  # in place
+            cf, e_new = error_feedback_step_device(e + zeros, delta + fresh, self.cfg)  # e in place
         else:
-            cf, self.e[fid.stage, fid.fragment] = error_feedback_step(e, delta, self.cfg)
+            cf, e_new = error_feedback_step(e + zeros, delta + fresh, self.cfg)
+        self.e[fid.stage, fid.fragment] = e_new[: len(delta)]
         header = FragmentHeader.of(
             cf,
             run_id=fid.run_id,
@@ -119,8 +135,12 @@ class SparseLoCoCodec(FragmentCodec):
         self.e = e
 
     def restore(self, fid: FragmentId, unsent: list[torch.Tensor]) -> None:
-        """e_f += decode(c): a contribution nobody received is sent again in a later round."""
-        for e, u in zip(self.e[fid.stage, fid.fragment], unsent, strict=True):
+        """e_f += decode(c): a contribution nobody received is sent again in a later round (of a pair's
+        message, its Delta part: the anchor difference's residual is in the anchor)."""
+        e_f = self.e[fid.stage, fid.fragment]
+        if len(unsent) not in (len(e_f), 2 * len(e_f)):
+            raise ValueError(f"{len(unsent)} tensors to restore into {len(e_f)} error-feedback buffers")
+        for e, u in zip(e_f, unsent[: len(e_f)], strict=True):
             e.add_(u.to(e.device))
 
     def residual(self, group: int, fragment: int) -> list[torch.Tensor]:

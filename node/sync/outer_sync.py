@@ -19,7 +19,6 @@ owner holds behind node/sync/exchange.py's `Exchange` (the store's: node/sync/ro
 
 from __future__ import annotations
 
-import hashlib
 import logging
 import threading
 import time
@@ -41,6 +40,7 @@ from node.sync.exchange import (
     RoundAgreementError,
     SyncStats,
 )
+from node.sync.pair_mix import digest
 from node.sync.round_exchange import RoundExchange
 from node.sync.stage_checkpoints import StageCheckpoints
 from protocol.checkpoint import Checkpoint
@@ -316,10 +316,7 @@ class OuterSync:
 
     def anchor_digest(self) -> str:
         """sha256 of the consensus anchor's bytes (equal on every replica after the same rounds)."""
-        h = hashlib.sha256()
-        for a in self.anchor:
-            h.update(a.detach().float().cpu().contiguous().numpy().tobytes())
-        return h.hexdigest()
+        return digest(self.anchor)
 
     def finish(self) -> None:
         """Apply whatever is still pending (end of run) and stop the I/O thread."""

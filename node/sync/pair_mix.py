@@ -36,10 +36,9 @@ import hashlib
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 
-import numpy as np
 import torch
 
-from node.sync.aggregation import Rejection, norm, screen
+from node.sync.aggregation import Rejection, median_norm_clip, screen
 
 
 @dataclass(frozen=True)
@@ -62,24 +61,11 @@ class PairResult:
 
 
 def digest(tensors: Sequence[torch.Tensor]) -> str:
+    """sha256 of the tensors' float32 bytes, in order, wherever they live."""
     h = hashlib.sha256()
     for t in tensors:
         h.update(t.detach().cpu().to(torch.float32).contiguous().numpy().tobytes())
     return h.hexdigest()
-
-
-def _clip(
-    parts: dict[int, list[torch.Tensor]], ratio: float
-) -> tuple[dict[int, list[torch.Tensor]], dict[int, float]]:
-    """Scale each end's part to at most ratio x the smaller of the ends' norms (float32-rounded factor)."""
-    norms = {j: norm(ts) for j, ts in sorted(parts.items())}
-    limit = ratio * min(norms.values())
-    out, factors = {}, {}
-    for j, ts in sorted(parts.items()):
-        f = float(np.float32(limit / norms[j])) if norms[j] > limit else 1.0
-        factors[j] = f
-        out[j] = [t * f for t in ts] if f != 1.0 else list(ts)
-    return out, factors
 
 
 def pair_result(
@@ -102,8 +88,9 @@ def pair_result(
     ok, rejected = screen(contribs, shapes, max_abs=max_abs, max_norm=max_norm)
     if rejected:
         return None, rejected
-    c, fc = _clip({j: ts[:n] for j, ts in ok.items()}, ratio)
-    z, fz = _clip({j: ts[n:] for j, ts in ok.items()}, ratio)
+    # of two norms the lower median is the smaller: each part to ratio x min(||i||, ||k||)
+    c, fc = median_norm_clip({j: ts[:n] for j, ts in ok.items()}, ratio)
+    z, fz = median_norm_clip({j: ts[n:] for j, ts in ok.items()}, ratio)
     lo, hi = sorted(ok)
     w = {j: float((weights or {}).get(j, 1.0)) for j in (lo, hi)}
     out = []

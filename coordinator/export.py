@@ -54,10 +54,12 @@ from protocol.checkpoint import (
     read_manifest,
     read_round,
     slot_signers,
+    tensor_sha256,
 )
 from protocol.codecs.subspace import basis, subspace_plan, token_table
 from protocol.messages import Assignment
 from protocol.net.store import ObjectStore
+from protocol.pairing import vouched_base
 from protocol.runspec import RunSpec
 from protocol.trust.assignment_archive import read_archive
 from protocol.trust.delegation import OperatorTrust
@@ -308,6 +310,8 @@ def consensus_states(
         raise ValueError(f"no run {run_id!r} in the store (no {keys.spec_key(run_id)}); check the run id")
     spec = record.spec
     assigned = read_archive(store, spec, trust, as_issued=True) or []
+    if spec.sync.topology == "butterfly":
+        return (spec, *_pair_consensus(store, spec, assigned, rnd))
     if spec.mixed_layout:
         return (spec, *_group_consensus(store, spec, assigned, rnd))
     signers = [slot_signers(assigned, stage) for stage in range(spec.stages)]
@@ -582,6 +586,73 @@ def _read_stage(
     """The checkpoint `m` names, verified (pinned to `m`): (its consensus state, its group anchor digests)."""
     ck = _read_pinned(store, spec, stage, replica, rnd, signers, m, why)
     return None if ck is None else (stage_state(ck.tensors), group_anchor_sha256(spec, ck.tensors))
+
+
+# --- a butterfly run: each parameter from a pair base its two ends' checkpoints hold alike ------------
+def _pair_consensus(
+    store: ObjectStore, spec: RunSpec, assigned: list[Assignment], rnd: int | None
+) -> tuple[int, list[dict[str, torch.Tensor]]]:
+    """(round, one state per `export_parts`) of a butterfly run (`sync.topology = "butterfly"`), whose
+    replicas' anchors all differ: every parameter is taken from the pair base (a pair result) that the
+    checkpoints of both ends of a pair hold alike at the round, signed by two different nodes, each a signer
+    of its own slot (protocol/pairing.py `vouched_base`; the newest exchange wins). The default round is the
+    newest checkpointed one at which two replicas checkpointed the first stage, and the rounds below it are
+    tried until every parameter is vouched for; a named round is tried alone."""
+    signers = {stage: slot_signers(assigned, stage) for stage in range(spec.max_stages)}
+    why: list[str] = []
+
+    def counts(r: int) -> bool:
+        return (
+            sum(
+                _manifest(store, spec, 0, rep, r, signers[0], why) is not None for rep in range(spec.replicas)
+            )
+            >= 2
+        )
+
+    for r in _rounds_to_try(spec, rnd, counts):
+        held: dict[str, dict[int, tuple[str, dict[int, tuple[int, str]], Checkpoint]]] = {}
+        for rep in range(spec.replicas):
+            for stage in range(spec.stages_of(rep)):
+                m = _manifest(store, spec, stage, rep, r, signers[stage], why)
+                ck = None if m is None else _read_pinned(store, spec, stage, rep, r, signers[stage], m, why)
+                if m is None or ck is None:
+                    continue
+                for name, by_partner in _pair_bases(ck.tensors).items():
+                    held.setdefault(name, {})[rep] = (m.signer.hex(), by_partner, ck)
+        states: list[dict[str, torch.Tensor]] = []
+        for part in range(len(export_parts(spec))):
+            state: dict[str, torch.Tensor] = {}
+            for name in expected_shapes(spec, part):
+                holders = held.get(name, {})
+                chosen = vouched_base({rep: (sg, bp) for rep, (sg, bp, _) in holders.items()})
+                if chosen is None:
+                    why.append(f"round {r}: no two checkpoints hold the same pair base of {name}")
+                    break
+                rep, partner = chosen
+                state[name] = holders[rep][2].tensors[f"pair.base.{partner}.{name}"]
+            else:
+                states.append(state)
+                continue
+            break
+        if len(states) == len(export_parts(spec)):
+            return r, states
+    raise ValueError(
+        f"run {spec.run_id}: no round at which both ends of a pair checkpointed the same pair base of every "
+        f"parameter ({'; '.join(why[-4:]) or 'no checkpoints'})"
+    )
+
+
+def _pair_bases(tensors: dict[str, torch.Tensor]) -> dict[str, dict[int, tuple[int, str]]]:
+    """A butterfly checkpoint's bases: parameter -> partner -> (the round that made it, its sha256)."""
+    out: dict[str, dict[int, tuple[int, str]]] = {}
+    for key, t in tensors.items():
+        head, _, rest = key.partition(".base.")
+        partner, _, name = rest.partition(".")
+        if head != "pair" or not partner.isdigit() or f"pair.round.{partner}.{name}" not in tensors:
+            continue
+        made = int(tensors[f"pair.round.{partner}.{name}"].reshape(-1)[0])
+        out.setdefault(name, {})[int(partner)] = (made, tensor_sha256(t))
+    return out
 
 
 def _read_pinned(

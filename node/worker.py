@@ -33,6 +33,7 @@ from node.pipeline.schedule import PipelineStage, StepStats
 from node.pipeline.transport import Link, Shaper, connect
 from node.subspace_model import boundary_codecs, confinement, constrain_stage, project_weights_
 from node.sync.outer_sync import LocalState, OuterSync
+from node.sync.pair_sync import pair_settings
 from node.sync.sparseloco_sync import make_sync_parts
 from node.sync.stage_checkpoints import StageCheckpoints
 from protocol import keys
@@ -88,6 +89,12 @@ class WorkerMetrics:
     round_tokens: dict[str, int] = field(default_factory=dict)
     """Replica -> the tokens its contribution to the last round this stage applied claimed (signed, bounded
     by its shape; late parts summed in): what sync.weighting = "tokens" weighs it by."""
+    pair_exchanges: dict[str, int] = field(default_factory=dict)
+    """Butterfly (sync.topology = "butterfly"): exchanges "exchanged", "unpaired" (sat out), "missing"
+    (the partner's message missed the deadline), "refused" (the pair screen), "clipped" (the pair rule)."""
+    pair_sha256: dict[str, str] = field(default_factory=dict)
+    """Butterfly: "group.fragment" -> "round:partner:sha256" of its newest pair result; both ends of a
+    pair show the same digest for the same round."""
     weights_sha256: str = ""
     group_sha256: dict[str, str] = field(default_factory=dict)
     """Layer group -> sha256 of this stage's final weights of that group (`group_digests`): equal in every
@@ -424,6 +431,7 @@ class StageWorker:
             checkpoints=self.checkpoints,
             checkpoint_every=spec.sync.checkpoint_every,
             confine=confinement(module),  # the anchor stays in span(U), identically on every replica
+            butterfly=pair_settings(spec),  # sync.topology = "butterfly": pair exchanges, no consensus
         )
 
     def _train(self, st: _Setup) -> str:
@@ -532,6 +540,12 @@ class StageWorker:
             sync.stats.late_expired,
         )
         m.round_tokens = {str(r): t for r, t in sorted(sync.stats.last_tokens.items())}
+        if sync.pairs is not None:
+            ps = sync.pairs.stats
+            m.pair_exchanges = {
+                k: getattr(ps, k) for k in ("exchanged", "unpaired", "missing", "refused", "clipped")
+            }
+            m.pair_sha256 = dict(ps.last)
 
     def _report(self) -> None:
         import json

@@ -251,6 +251,11 @@ def group_anchor_meta(spec: RunSpec, tensors: Mapping[str, torch.Tensor]) -> dic
     return {f"{GROUP_ANCHOR_META}.{g}": h for g, h in group_anchor_sha256(spec, tensors).items()}
 
 
+def tensor_sha256(t: torch.Tensor) -> str:
+    """sha256 of one tensor's dtype, shape and bytes (a butterfly pair base, held alike by both ends)."""
+    return _sha256_of({"": t}, [""])
+
+
 def _sha256_of(tensors: Mapping[str, torch.Tensor], names: Iterable[str]) -> str:
     h = hashlib.sha256()
     for name in names:

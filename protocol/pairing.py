@@ -15,6 +15,12 @@ Every participant computes this from the run's replica count alone: nobody choos
 
 from __future__ import annotations
 
+from collections.abc import Mapping
+
+PairHoldings = Mapping[int, tuple[str, Mapping[int, tuple[int, str]]]]
+"""For one parameter: replica -> (the signer of the checkpoint holding it, partner -> (the round of the
+exchange that made the pair's base, the base's sha256)), as butterfly checkpoints carry them."""
+
 
 def butterfly_stages(n: int) -> int:
     """L = ceil(log2 n): the butterfly's stages for n >= 2 replicas."""
@@ -56,4 +62,24 @@ def exchanges_to_mix(n: int, fragment: int = 0, first_round: int = 0) -> int:
     )
 
 
-__all__ = ["butterfly_stages", "exchanges_to_mix", "pairs", "partner"]
+def vouched_base(holdings: PairHoldings) -> tuple[int, int] | None:
+    """The butterfly run's model, one parameter at a time (issue 23: no two replicas' anchors are equal, so
+    the all-to-all rule "two replicas' checkpoints sign the same anchor" cannot hold): the pair base that
+    both ends' checkpoints hold alike (the same round and digest under each other's index), signed by two
+    different nodes: a pair result, which the pair rule bounds, never one node's own tensor. The newest
+    such round wins, ties to the lowest pair; (replica, partner) whose checkpoint to take it from, or None
+    when no two checkpoints vouch for one."""
+    best: tuple[int, int, int] | None = None
+    for r, (signer, held) in sorted(holdings.items()):
+        for p, (rnd, sha) in sorted(held.items()):
+            if p <= r or p not in holdings:
+                continue
+            their_signer, theirs = holdings[p]
+            if their_signer == signer or theirs.get(r) != (rnd, sha):
+                continue
+            if best is None or (-rnd, r, p) < best:
+                best = (-rnd, r, p)
+    return None if best is None else (best[1], best[2])
+
+
+__all__ = ["PairHoldings", "butterfly_stages", "exchanges_to_mix", "pairs", "partner", "vouched_base"]

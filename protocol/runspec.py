@@ -205,6 +205,20 @@ class OuterLoopSettings:
     in the store by that round's cutoff (node/sync/round_rule.py `late_entries`), by every replica alike;
     later than that, or with k = 0, it goes back to its sender's error feedback. Its sender restores it
     only once the window has closed, so it is never applied twice nor lost."""
+    topology: Literal["all", "butterfly"] = "all"
+    """Who a replica exchanges a fragment with: "all" = every replica reads every other replica's fragment
+    through the store and all apply one agreed set (one consensus); "butterfly" = each exchange of a
+    fragment pairs each replica with one partner (protocol/pairing.py: i XOR 2^((round + fragment) mod
+    ceil(log2 R)), sitting out where that is R or more) and the two ends compute one pair result
+    (node/sync/pair_mix.py). Butterfly needs method "sparseloco", outer_momentum 0, quorum 0 and
+    max_late_rounds 0."""
+    pair_blend: Literal["outer", "half"] = "outer"
+    """Butterfly: how an end blends the pair result tau steps after it sent: "outer" = the outer step on
+    the pair's mean (theta <- A' + local drift, as all-to-all does); "half" = the seed's 0.5 live weights
+    + 0.5 pair result."""
+    pair_clip: float = 2.0
+    """Butterfly's pair rule, rho: each end's parts are clipped to rho x the smaller of the two ends' norms,
+    so one hostile partner moves an honest end by at most rho x its own update per exchange."""
 
     def __post_init__(self) -> None:
         check_finite(self)
@@ -220,6 +234,29 @@ class OuterLoopSettings:
             raise ValueError(f"sync.alpha={describe(self.alpha)} must be positive and at most 1000")
         if not 0 <= self.outer_momentum < 1:
             raise ValueError(f"sync.outer_momentum={describe(self.outer_momentum)} must be in [0, 1)")
+        self._check_topology()
+
+    def _check_topology(self) -> None:
+        if self.topology not in ("all", "butterfly"):
+            raise ValueError(f"sync.topology={describe(self.topology)} must be 'all' or 'butterfly'")
+        if self.pair_blend not in ("outer", "half"):
+            raise ValueError(f"sync.pair_blend={describe(self.pair_blend)} must be 'outer' or 'half'")
+        check_range("sync.pair_clip", self.pair_clip, 1.0, 1e3)
+        if self.topology != "butterfly":
+            return
+        refused = {
+            "method = 'sparseloco' (a pair message is SparseLoCo's pseudo-gradient plus anchor difference)": (
+                self.method != "sparseloco"
+            ),
+            "outer_momentum = 0 (the two ends of a pair hold different momentum)": self.outer_momentum != 0,
+            "quorum = 0 (a pair exchange needs both ends; there is no quorum to set)": self.quorum != 0,
+            "max_late_rounds = 0 (a late pair message cannot be committed: the other end has moved on)": (
+                self.max_late_rounds != 0
+            ),
+        }
+        needed = [fix for fix, bad in refused.items() if bad]
+        if needed:
+            raise ValueError("sync.topology = 'butterfly' needs sync." + "; sync.".join(needed))
 
     def schedule(self) -> Schedule:
         """The fragment schedule the outer loop runs (and the round arithmetic of a step)."""
@@ -354,6 +391,11 @@ class RunSpec:
             )
         if self.replicas <= 0 or self.stages <= 0:
             raise ValueError(f"replicas={self.replicas} and stages={self.stages} must be positive")
+        if self.sync.topology == "butterfly" and self.replicas < 2:
+            raise ValueError(
+                f"sync.topology = 'butterfly' pairs replicas: replicas={self.replicas}, need at least 2 "
+                "(or sync.topology = 'all')"
+            )
         for sh in self.shapes:
             self._check_shape(sh)
         if (self.layer_split_auto or self.pipeline.link_k_auto) and any(

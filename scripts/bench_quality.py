@@ -27,6 +27,11 @@ replica r draws batch (data_seed, r, step) in every arm, so every method sees th
                 step); the aggregate weighs each contribution by the tokens it trained on
                 (sync.weighting = "tokens", the default) or alike ("equal"). `sparseloco` is the uniform
                 baseline (every replica at --batch).
+- butterfly:    SparseLoCo with sync.topology = "butterfly" (issue 23): each round every replica exchanges
+                with one partner (i XOR 2^(round mod log2 R)) through the store, sending its pseudo-gradient
+                and its anchor's difference from the pair's base in one fragment; no consensus, so the
+                figure is replica 0's anchor (`val_bpb`), with every replica's own (`butterfly_val_bpb`)
+                and the spread of the anchors beside it. Compare with `sparseloco` at the same tokens.
 - stream_tau1/2: SparseLoCo with P strided fragments captured at c_f = (f+1) floor(H/P) and applied
                 tau = 1 or 2 inner steps later, keeping the local drift (arXiv 2501.18512). The run spec
                 needs tau < floor(H/P) (a cycle's fragments all applied before the next cycle's first
@@ -72,6 +77,7 @@ from node.inner_step import inner_step, make_optimizer, prepare_stage
 from node.model import Stage, build_full_model, lm_loss
 from node.sync.aggregation import norm
 from node.sync.outer_sync import Contribution, Encoding, FragmentCodec, FragmentId, OuterSync
+from node.sync.pair_sync import pair_settings
 from node.sync.sparseloco_sync import SparseLoCoCodec, make_sync_parts
 from protocol.codecs.sparseloco import CompressedFragment, SparseLoCoConfig, compress, decompress
 from protocol.codecs.sparseloco_format import decode_fragment, encode_fragment
@@ -91,6 +97,7 @@ ARMS = (
     "late_drop",
     "mixed_tokens",
     "mixed_equal",
+    "butterfly",
 )
 LATE_ARMS = {"late_commit": 1, "late_drop": 0}
 """The late arms and their sync.max_late_rounds: the last replica's fragment of every other round reaches
@@ -126,6 +133,14 @@ class Result:
     sync: SyncSpec | None = None
     bytes_up_per_round: float = 0.0
     """Bytes one replica uploads per outer round (all fragments), headers and signatures included."""
+    bytes_down_per_round: float = 0.0
+    """Bytes one replica downloads per outer round (the other replicas' fragments it reads)."""
+    replica_bpb: list[float] = field(default_factory=list)
+    """Butterfly: each replica's own anchor's bits per byte (no consensus)."""
+    spread: float | None = None
+    """Butterfly: max over replicas of ||A_r - mean A|| / ||mean A - A_0|| at the end (A_0: the start)."""
+    pair_counts: dict[str, int] = field(default_factory=dict)
+    """Butterfly: exchanges blended, sat out, missing, refused, clipped (summed over replicas)."""
     wait_s: float = 0.0
     """Training time blocked on transfers still in flight, summed over replicas."""
     rounds: int = 0
@@ -426,9 +441,11 @@ def run_outer(
                 poll_s=0.002,
                 max_late_rounds=sync.max_late_rounds,
                 tokens_per_step=spec.tokens_per_step(r),
+                butterfly=pair_settings(spec),
             )
         )
         replicas.append((model, opt))
+    start = [a.clone() for a in syncs[0].anchor]
     t = s.train
     t0 = time.perf_counter()
     diverged_at = None
@@ -462,21 +479,38 @@ def run_outer(
         sy.finish()  # streaming: apply the fragments captured in the last tau steps
     train_s = time.perf_counter() - t0
     anchors = [sy.anchor for sy in syncs]
-    for a in anchors[1:]:
+    butterfly = sync.topology == "butterfly"
+    for a in [] if butterfly else anchors[1:]:  # butterfly: no consensus, each replica its own anchor
         if not all(torch.equal(x, y) for x, y in zip(anchors[0], a, strict=True)):
             raise AssertionError(f"{name}: replicas ended with different consensus weights")
-    consensus, _ = new_model(s)
-    with torch.no_grad():
-        for p, w in zip(consensus.parameters(), anchors[0], strict=True):
-            p.copy_(w)
+
+    def bpb_of(weights: list[torch.Tensor]) -> float:
+        model, _ = new_model(s)
+        with torch.no_grad():
+            for p, w in zip(model.parameters(), weights, strict=True):
+                p.copy_(w)
+        return evaluate(model, val) if diverged_at is None else math.nan
+
     st = [sy.stats for sy in syncs]
-    rounds = st[0].rounds_applied / sync.P
+    # butterfly: a sit-out applies nothing, so count the rounds the schedule ran
+    rounds = t.total_steps // sync.H if butterfly else st[0].rounds_applied / sync.P
+    extra: dict[str, Any] = {}
+    if butterfly:
+        extra["replica_bpb"] = [bpb_of(a) for a in anchors]
+        extra["spread"] = anchor_spread(anchors, start)
+        counts = [sy.pairs.stats for sy in syncs if sy.pairs is not None]
+        extra["pair_counts"] = {
+            k: sum(getattr(c, k) for c in counts)
+            for k in ("exchanged", "unpaired", "missing", "refused", "clipped")
+        }
     return Result(
         name,
-        evaluate(consensus, val) if diverged_at is None else math.nan,
+        bpb_of(anchors[0]),
         train_s,
         sync=sync,
         bytes_up_per_round=sum(x.bytes_up for x in st) / len(st) / max(rounds, 1),
+        bytes_down_per_round=sum(x.bytes_down for x in st) / len(st) / max(rounds, 1),
+        **extra,
         wait_s=sum(x.wait_s for x in st),
         rounds=int(rounds),
         rejected=sum(x.rejected for x in st),
@@ -485,6 +519,15 @@ def run_outer(
         round_tokens=dict(st[0].last_tokens),
         diverged_at=diverged_at,
     )
+
+
+def anchor_spread(anchors: list[list[torch.Tensor]], start: list[torch.Tensor]) -> float:
+    """max_r ||A_r - mean A|| / ||mean A - A_0||: how far apart the replicas' anchors are, against how far
+    their mean has moved from the start (0 for a consensus)."""
+    flat = [torch.cat([t.detach().double().flatten() for t in a]) for a in anchors]
+    mean = sum(flat) / len(flat)
+    moved = float((mean - torch.cat([t.double().flatten() for t in start])).norm())
+    return max(float((f - mean).norm()) for f in flat) / max(moved, 1e-30)
 
 
 def parse_rounds(text: str) -> tuple[int, int]:
@@ -544,6 +587,13 @@ def parser() -> argparse.ArgumentParser:
         "--beta", type=float, default=0.7, help="SparseLoCo error-feedback decay (default 0.7, tuned here)"
     )
     ap.add_argument("--aggregation", choices=["mean", "per_coordinate"], default="per_coordinate")
+    ap.add_argument(
+        "--pair-blend",
+        choices=["outer", "half"],
+        default=SyncSpec.pair_blend,
+        help=f"the butterfly arm's sync.pair_blend (default {SyncSpec.pair_blend})",
+    )
+    ap.add_argument("--butterfly-alpha", type=float, help="the butterfly arm's outer lr (default: --alpha)")
     ap.add_argument(
         "--robust",
         choices=["trimmed", "clip_median", "none"],
@@ -608,6 +658,10 @@ def arm_sync(name: str, args: argparse.Namespace) -> SyncSpec:
     )
     if name in MIXED_ARMS:
         late["weighting"] = MIXED_ARMS[name]
+    alpha = args.alpha
+    if name == "butterfly":
+        late.update(topology="butterfly", max_late_rounds=0, pair_blend=args.pair_blend)
+        alpha = args.alpha if args.butterfly_alpha is None else args.butterfly_alpha
     if name == "diloco" or (name in LATE_ARMS and args.late_method == "diloco"):
         return SyncSpec(
             method="diloco",
@@ -621,7 +675,7 @@ def arm_sync(name: str, args: argparse.Namespace) -> SyncSpec:
     tau = STREAM_TAU.get(name, 0)
     P = (
         1
-        if name == "sparseloco" or name in LATE_ARMS or name in MIXED_ARMS
+        if name in ("sparseloco", "butterfly") or name in LATE_ARMS or name in MIXED_ARMS
         else stream_P(args.H, tau)
         if args.P is None
         else args.P
@@ -631,7 +685,7 @@ def arm_sync(name: str, args: argparse.Namespace) -> SyncSpec:
         H=args.H,
         P=P,
         tau=tau,
-        alpha=args.alpha,
+        alpha=alpha,
         k=args.k,
         beta=args.beta,
         aggregation=args.aggregation,
@@ -856,6 +910,13 @@ def main(argv: list[str] | None = None) -> int:
         if "sparseloco" in by and "diloco" in by
         else None,
         "bytes_up_per_round": {r.name: round(r.bytes_up_per_round) for r in results if r.sync},
+        "bytes_down_per_round": {r.name: round(r.bytes_down_per_round) for r in results if r.sync},
+        "gap_butterfly_vs_sparseloco": gap("butterfly", "sparseloco"),
+        "butterfly_val_bpb": [round(x, 5) for x in by["butterfly"].replica_bpb]
+        if "butterfly" in by
+        else None,
+        "butterfly_spread": None if "butterfly" not in by else by["butterfly"].spread,
+        "butterfly_pairs": by["butterfly"].pair_counts if "butterfly" in by else None,
         "rejected": sum(r.rejected for r in results),
         "missing": sum(r.missing for r in results),
         "total_s": round(total_s, 1),

@@ -9,7 +9,7 @@ import torch
 from node.sync.aggregation import norm
 from node.sync.pair_mix import anchor_after, pair_result
 from protocol.codecs.sparseloco import SparseLoCoConfig, compress, decompress
-from protocol.pairing import butterfly_stages, exchanges_to_mix, pairs, partner
+from protocol.pairing import butterfly_stages, exchanges_to_mix, pairs, partner, vouched_base
 
 BOUNDS = {"alpha": 1.0, "ratio": 2.0, "max_abs": 1e3, "max_norm": 1e5}
 
@@ -168,3 +168,28 @@ def test_a_pair_message_carries_error_feedback_on_its_pseudo_gradient_only() -> 
     assert float((got.tensors[2] - diff[0]).norm()) < float(diff[0].norm())  # A - B carried in part
     codec.restore(fid, got.tensors)  # a skipped exchange: the Delta part back, the other not
     assert torch.allclose(codec.residual(0, 0)[0], delta[0], atol=1e-6)
+
+
+# --- the butterfly run's model: vouched pair bases -----------------------------------------------------
+def test_vouched_base_takes_the_newest_base_both_ends_hold_alike() -> None:
+    holdings = {
+        0: ("a", {1: (4, "x"), 2: (5, "y")}),
+        1: ("b", {0: (4, "x"), 3: (5, "z")}),
+        2: ("c", {0: (5, "y")}),
+        3: ("d", {1: (5, "z")}),
+    }
+    assert vouched_base(holdings) == (0, 2)  # round 5 beats 4; (0, 2) before (1, 3)
+
+
+def test_vouched_base_refuses_one_sided_claims_and_one_signer_for_both_ends() -> None:
+    # replica 3 claims a newer base with 0 that 0 does not hold; 1 and 2 are the same node
+    holdings = {
+        0: ("a", {1: (2, "x"), 3: (2, "q")}),
+        1: ("n", {0: (2, "x"), 2: (9, "w")}),
+        2: ("n", {1: (9, "w")}),
+        3: ("d", {0: (9, "forged")}),
+    }
+    assert vouched_base(holdings) == (0, 1)
+    assert vouched_base({0: ("a", {1: (3, "x")}), 1: ("b", {0: (3, "other")})}) is None
+    assert vouched_base({0: ("a", {1: (3, "x")}), 1: ("b", {0: (2, "x")})}) is None  # rounds differ
+    assert vouched_base({0: ("a", {1: (3, "x")})}) is None

@@ -41,6 +41,7 @@ from node.sync.exchange import (
     SyncStats,
 )
 from node.sync.pair_mix import digest
+from node.sync.pair_sync import PairMixer, PairSettings
 from node.sync.round_exchange import RoundExchange
 from node.sync.stage_checkpoints import StageCheckpoints
 from protocol.checkpoint import Checkpoint
@@ -87,6 +88,8 @@ class _Pending:
     theta_at_capture: list[torch.Tensor]
     future: Future[Exchanged]
     apply_step: int
+    partner: int | None = None
+    """Butterfly: the replica this exchange pairs us with (None: an all-to-all round)."""
 
 
 @dataclass
@@ -150,6 +153,7 @@ class OuterSync:
         cancelled: Callable[[], bool] = lambda: False,
         max_late_rounds: int = 1,
         tokens_per_step: int = 1,
+        butterfly: PairSettings | None = None,
     ) -> None:
         """schedule: when each fragment is captured and applied (`SyncSpec.schedule()`). poll_s,
         poll_max_s: the first and the longest wait between two polls of the store for the
@@ -164,7 +168,8 @@ class OuterSync:
         times the steps since that fragment's previous capture. groups: layer group -> indices into
         params of its parameters (None: one group numbered `stage` of them all, as in a run whose replicas
         share one split). group_peers, former_group_peers: each group's signers by replica (None: the
-        stage's, stage_peers and former_stage_peers, for every group)."""
+        stage's, stage_peers and former_stage_peers, for every group). butterfly: pair exchanges instead of
+        the all-to-all round (node/sync/pair_sync.py; None: all-to-all)."""
         if not 0 < poll_s <= poll_max_s:
             raise ValueError(f"need 0 < poll_s <= poll_max_s, got poll_s={poll_s} poll_max_s={poll_max_s}")
         self.params = params
@@ -205,6 +210,12 @@ class OuterSync:
             )
             for g in sorted(self.groups)
         }
+        self._cancelled = cancelled
+        self._signers = {g: dict((group_peers or {}).get(g, stage_peers)) for g in self.groups}
+        self._former = {
+            g: dict((former_group_peers or {}).get(g, former_stage_peers) or {}) for g in self.groups
+        }
+        self.pairs = None if butterfly is None else self._pair_mixer(butterfly, timeout_s, poll_s, poll_max_s)
 
     @property
     def exchange(self) -> Exchange:
@@ -271,6 +282,8 @@ class OuterSync:
             out.update({f"exchange.g{g}.{k}": v for k, v in ex.state().items()})
         if self.confine is not None:
             out[ANCHOR_IN_SPAN] = torch.ones(1)
+        if self.pairs is not None:
+            out.update({f"pair.{k}": v for k, v in self.pairs.state(names).items()})
         return out
 
     def load_state_tensors(self, names: list[str], state: dict[str, torch.Tensor]) -> None:
@@ -294,6 +307,10 @@ class OuterSync:
         for g, ex in self.exchanges.items():
             head = f"exchange.g{g}." if by_group else "exchange."  # an older build's: its stage, one group
             ex.load_state({k[len(head) :]: v for k, v in state.items() if k.startswith(head)})
+        if self.pairs is not None:
+            self.pairs.load_state(
+                names, {k[len("pair.") :]: v for k, v in state.items() if k.startswith("pair.")}
+            )
 
     def save_checkpoint(self, step: int, rnd: int) -> None:
         """Everything needed to continue from round `rnd`: the worker's weights and optimizer, our anchor,
@@ -331,6 +348,40 @@ class OuterSync:
             self.checkpoints.join()
 
     # --- phases -----------------------------------------------------------------------------------
+    def _pair_mixer(self, cfg: PairSettings, timeout_s: float, poll_s: float, poll_max_s: float) -> PairMixer:
+        """Butterfly: the pair half, each exchange a round of two slots (both ends in, or skipped)."""
+
+        def exchange(g: int, peers: dict[int, str]) -> Exchange:
+            return RoundExchange(
+                self.store,
+                self.codec,
+                replica=self.replica,
+                stage_peers=peers,
+                former_stage_peers={r: set(self._former[g].get(r, ())) for r in peers},
+                timeout_s=timeout_s,
+                poll_s=poll_s,
+                poll_max_s=poll_max_s,
+                stats=self.stats,
+                lock=self._lock,
+                quorum=1,
+                cancelled=lambda: self._cancelled(),
+                max_late_rounds=0,
+            )
+
+        confine = self.confine
+        return PairMixer(
+            cfg,
+            codec=self.codec,
+            replica=self.replica,
+            fragments=self.fragments,
+            initial=self.anchor,
+            signers=lambda g: self._signers[g],
+            exchange=exchange,
+            stats=self.stats,
+            lock=self._lock,
+            project=None if confine is None else confine.consensus,
+        )
+
     def _capture(self, g: int, f: int, rnd: int, step: int) -> None:
         idx = self.fragments[g, f]
         if self.confine is not None:  # what error feedback carries off the span would be re-sent forever
@@ -340,10 +391,15 @@ class OuterSync:
             theta = [self.params[i].detach().clone() for i in idx]
             delta = [self.anchor[i] - t for i, t in zip(idx, theta, strict=True)]  # Delta = anchor - local
         fid = FragmentId(self.run_id, g, f, rnd, self.replica)  # keyed by layer group, not stage
-        encoding = self.codec.encode(
-            fid, delta, self.tokens_per_step * self.schedule.steps_since_capture(step)
-        )
+        tokens = self.tokens_per_step * self.schedule.steps_since_capture(step)
         shapes = [self.params[i].shape for i in idx]
+        if self.pairs is not None:
+            job = self.pairs.capture(fid, [self.anchor[i] for i in idx], delta, tokens, shapes)
+            if job is not None:
+                fut = self._io.submit(job[1])
+                self._pending.append(_Pending(fid, theta, fut, step + self.schedule.tau, job[0]))
+            return
+        encoding = self.codec.encode(fid, delta, tokens)
         fut = self._io.submit(self.exchanges[g].run, fid, encoding, shapes)
         self._pending.append(_Pending(fid, theta, fut, step + self.schedule.tau))
 
@@ -357,6 +413,8 @@ class OuterSync:
         """The signers of this stage's slots changed (a replica rebuilt with a new node, or dropped out):
         each group's exchange trusts them from now on (the worker binds them to their checkpoint slots);
         group_peers as in the constructor."""
+        self._signers = {g: dict((group_peers or {}).get(g, stage_peers)) for g in self.groups}
+        self._former = {g: dict((former_group_peers or {}).get(g, former) or {}) for g in self.groups}
         for g, ex in self.exchanges.items():
             ex.set_stage_peers(
                 (group_peers or {}).get(g, stage_peers), (former_group_peers or {}).get(g, former)
@@ -370,6 +428,9 @@ class OuterSync:
             self.stats.rounds_applied += 1
             self.stats.last_contributors = sorted(ex.contribs)
             self.stats.last_tokens, self.stats.last_weights = dict(ex.tokens), dict(ex.weights)
+        if p.partner is not None:
+            self._apply_pair(p, ex)
+            return
         for unsent in ex.unsent:  # ours that no round uses: back to the codec (error feedback)
             self.codec.restore(p.fid, unsent)
         # nothing arrived, not even ours: the anchor stays and the replica restarts from it (+ drift)
@@ -387,6 +448,20 @@ class OuterSync:
                     self.anchor[i].sub_(self.alpha * update)
                 drift = self.params[i].detach() - p.theta_at_capture[j]  # theta(a_f) - theta(c_f)
                 self.params[i].copy_(self.anchor[i] + drift)
+
+    def _apply_pair(self, p: _Pending, ex: Exchanged) -> None:
+        """Butterfly: the pair result blended into our anchor and weights, or (skipped) the standard reset."""
+        assert self.pairs is not None and p.partner is not None
+        idx = self.fragments[p.fid.stage, p.fid.fragment]
+        new = self.pairs.apply(p.fid, p.partner, ex, [self.anchor[i] for i in idx])
+        with torch.no_grad():
+            for j, i in enumerate(idx):
+                live = self.params[i].detach()
+                if new is None:  # ours went back to error feedback: restart from the anchor (+ drift)
+                    self.params[i].copy_(self.anchor[i] + (live - p.theta_at_capture[j]))
+                    continue
+                self.anchor[i].copy_(new[j].to(self.anchor[i].device))
+                self.params[i].copy_(self.pairs.blend(live, self.anchor[i], p.theta_at_capture[j]))
 
 
 __all__ = [

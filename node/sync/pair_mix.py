@@ -14,6 +14,7 @@ compute, on the host in float64 in replica order (lower first):
     screen    each part finite and within the absolute bounds (max_abs, max_norm); else no pair result
     clip      every c' to rho x min(||c'_i||, ||c'_k||), every z' to rho x min(||z'_i||, ||z'_k||)
     P       = B + (z'_i + z'_k) / 2 - alpha (w_i c'_i + w_k c'_k) / (w_i + w_k)
+              (per coordinate over the ends that sent it, under sync.aggregation = "per_coordinate")
 
 and each end keeps what its own z' did not carry (the anchor difference's error feedback stays in its
 anchor, so nothing of it is lost and it is sent again at the next exchange, to whichever partner):
@@ -38,7 +39,7 @@ from dataclasses import dataclass
 
 import torch
 
-from node.sync.aggregation import Rejection, median_norm_clip, screen
+from node.sync.aggregation import Rejection, median_norm_clip, per_coordinate_mean, screen
 
 
 @dataclass(frozen=True)
@@ -77,10 +78,13 @@ def pair_result(
     max_abs: float,
     max_norm: float,
     weights: Mapping[int, float] | None = None,
+    per_coordinate: bool = False,
 ) -> tuple[PairResult | None, list[Rejection]]:
     """P from the two ends' decoded messages (replica -> [c tensors..., z tensors...], n of each for the
     fragment's n parameters of `base`'s shapes), or (None, why) when a message fails the screen: the
-    exchange is then skipped by both ends. weights: each end's token weight (None: equal)."""
+    exchange is then skipped by both ends. weights: each end's token weight (None: equal).
+    per_coordinate: c_bar per coordinate over the ends that sent it (`sync.aggregation =
+    "per_coordinate"`: two sparse messages rarely overlap, so a plain mean would halve the outer step)."""
     if len(contribs) != 2:
         raise ValueError(f"a pair result needs the two ends' messages, got {sorted(contribs)}")
     n = len(base)
@@ -93,11 +97,17 @@ def pair_result(
     z, fz = median_norm_clip({j: ts[n:] for j, ts in ok.items()}, ratio)
     lo, hi = sorted(ok)
     w = {j: float((weights or {}).get(j, 1.0)) for j in (lo, hi)}
+    if per_coordinate:
+        cbars = [t.double() for t in per_coordinate_mean({lo: c[lo], hi: c[hi]}, w if weights else None)]
+    else:
+        cbars = [
+            (w[lo] * a.double() + w[hi] * b.double()) / (w[lo] + w[hi])
+            for a, b in zip(c[lo], c[hi], strict=True)
+        ]
     out = []
     for i, b in enumerate(base):
         zbar = (z[lo][i].double() + z[hi][i].double()) / 2
-        cbar = (w[lo] * c[lo][i].double() + w[hi] * c[hi][i].double()) / (w[lo] + w[hi])
-        out.append((b.detach().cpu().double() + zbar - alpha * cbar).float())
+        out.append((b.detach().cpu().double() + zbar - alpha * cbars[i]).float())
     factors = {j: (fc[j], fz[j]) for j in (lo, hi)}
     return PairResult(out, c, z, factors), []
 

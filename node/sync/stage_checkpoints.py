@@ -21,6 +21,9 @@ layers, so rule 3 holds per layer group of the stage: for each group, another re
 stage holding it there (`stage_of_group`), signed by a signer of that slot (the assignment's `group_peers`; for
 rule 4 the archive) other than the node that signed r's, signs the same digest of the group's anchor
 (`GROUP_ANCHOR_META`), and the tensors hold it.
+In a butterfly run (`sync.topology = "butterfly"`) no two replicas' anchors are equal, so rule 3 asks only that
+another replica checkpointed R, signed by another node (the round was reached), and a replica resumes from its
+own slot's checkpoints only: its anchor and its pair bases (what its partners hold with it) are its own.
 The newest such round is found by bisection over the run's checkpoint rounds (`newest_round`: a manifest
 GET per slot and probe, about log2(rounds) probes), not by listing: junk under ckpt/ costs nothing, and a
 LATEST pointer, which anyone with the store's credentials can replay or squat, decides nothing.
@@ -113,6 +116,7 @@ class StageCheckpoints:
         self.refused: list[Refusal] = []
         """What the last `latest` or `at_step` refused, and why."""
         self._upload: threading.Thread | None = None
+        self.butterfly = assignment.spec.sync.topology == "butterfly"
 
     def set_stage_peers(
         self,
@@ -148,6 +152,8 @@ class StageCheckpoints:
     def replicas(self) -> list[int]:
         """Replicas tried for a checkpoint: this one first, then the others (a new replica has none)."""
         a = self.a
+        if self.butterfly:  # its anchor and pair bases are its slot's alone
+            return [a.replica]
         return [a.replica, *sorted(int(r) for r in a.stage_peers if int(r) != a.replica)]
 
     def _log_resume(self, rnd: int, step: int, replica: int) -> None:
@@ -228,7 +234,7 @@ class StageCheckpoints:
             if r not in found:
                 continue
             try:
-                agreed = _vouched(a.stage, r, rnd, found, sorted(self.slots), a.replica)
+                agreed = _vouched(a.stage, r, rnd, found, sorted(self.slots), a.replica, self.butterfly)
                 for s in range(a.stage + 1, a.spec.stages_of(a.replica)) if later != {} else ():
                     signers = None if later is None else later.get(s, {})
                     if s not in stages:
@@ -246,6 +252,7 @@ class StageCheckpoints:
                         stages[s],
                         sorted(signers if signers is not None else self.slots),
                         a.replica,
+                        self.butterfly,
                     )
             except CheckpointRefused as e:
                 self._refuse(rnd, e)
@@ -270,7 +277,7 @@ class StageCheckpoints:
             if m is None:
                 continue
             try:
-                groups = _group_vouched(spec, a.stage, r, rnd, m, read, own, a.replica)
+                groups = _group_vouched(spec, a.stage, r, rnd, m, read, own, a.replica, self.butterfly)
                 for s in range(a.stage + 1, spec.stages_of(r)) if later != {} else ():
                     signers = None if later is None else later.get(s, {}).get(r)
                     later_m = read(s, r, signers) if later is None or signers is not None else None
@@ -280,7 +287,7 @@ class StageCheckpoints:
                             f"stage {s} of replica {r} has no valid checkpoint of round {rnd}: a replica "
                             "resumes all its stages at one round; trying an earlier one",
                         )
-                    _group_vouched(spec, s, r, rnd, later_m, read, later, a.replica)
+                    _group_vouched(spec, s, r, rnd, later_m, read, later, a.replica, self.butterfly)
             except CheckpointRefused as e:
                 self._refuse(rnd, e)
                 continue
@@ -457,7 +464,13 @@ class StageCheckpoints:
 
 
 def _vouched(
-    stage: int, replica: int, rnd: int, found: dict[int, SignedManifest], slots: list[int], me: int
+    stage: int,
+    replica: int,
+    rnd: int,
+    found: dict[int, SignedManifest],
+    slots: list[int],
+    me: int,
+    butterfly: bool = False,
 ) -> set[str | None] | None:
     """Rule 3 on a stage's manifests of `rnd` (`found`, by replica): the anchor digests that the other
     replicas' manifests sign (None for one written before digests were), counting only those signed by
@@ -466,12 +479,14 @@ def _vouched(
     and that has no checkpoint of `rnd`: the reader's replica was away (dropped, now rebuilt) while the one
     survivor went on, and the rounds it settled alone are the consensus the reader must join (resuming
     before them, it would replay them with both replicas in view). Raises CheckpointRefused when none
-    vouches, or none for the anchor `replica`'s claims."""
+    vouches, or none for the anchor `replica`'s claims. butterfly: no anchor is another's, so a vouching
+    checkpoint says only that the round was reached ({None}: no digest check)."""
     own = found[replica]
     others = [r for r in slots if r != replica]
     if not others:
         return None
     agreed = {m.anchor_sha256 for r, m in found.items() if r != replica and m.signer != own.signer}
+    agreed = {None} if butterfly and agreed else agreed
     if not agreed and others == [me] and me not in found:
         return None
     if not agreed:
@@ -499,6 +514,7 @@ def _group_vouched(
     read: ReadManifest,
     table: LaterSigners,
     me: int,
+    butterfly: bool = False,
 ) -> dict[int, set[str | None]]:
     """Rule 3 per layer group (a mixed-layout run): for each group g of `replica`'s `stage`, the digests of
     g's anchor that the other replicas' manifests of the stage holding g there sign (`read`, signed by the
@@ -516,6 +532,7 @@ def _group_vouched(
         agreed = {
             m.group_anchor_sha256(g) for m in found.values() if m is not None and m.signer != own.signer
         }
+        agreed = {None} if butterfly and agreed else agreed  # `_vouched`'s butterfly rule
         if not agreed and list(found) == [me] and found[me] is None:
             continue
         name = _group_name(spec, g)

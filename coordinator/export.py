@@ -648,10 +648,12 @@ def _pair_bases(tensors: dict[str, torch.Tensor]) -> dict[str, dict[int, tuple[i
     for key, t in tensors.items():
         head, _, rest = key.partition(".base.")
         partner, _, name = rest.partition(".")
-        if head != "pair" or not partner.isdigit() or f"pair.round.{partner}.{name}" not in tensors:
+        made = tensors.get(f"pair.round.{partner}.{name}")
+        if head != "pair" or not (partner.isascii() and partner.isdecimal()) or made is None:
             continue
-        made = int(tensors[f"pair.round.{partner}.{name}"].reshape(-1)[0])
-        out.setdefault(name, {})[int(partner)] = (made, tensor_sha256(t))
+        if made.numel() != 1 or made.dtype.is_floating_point or made.dtype.is_complex:
+            continue  # not what a node writes (one int64): no vouching from it
+        out.setdefault(name, {})[int(partner)] = (int(made.reshape(-1)[0]), tensor_sha256(t))
     return out
 
 

@@ -282,7 +282,15 @@ class ForgingCodec(SparseLoCoCodec):
 
     def encode(self, fid: FragmentId, delta: list[torch.Tensor], tokens: int) -> Encoding:
         mine = [d.detach().clone() for d in delta] if self.attack.kind == "orthogonal" else delta
-        honest = super().encode(fid, delta, tokens)
+        return self._forged(fid, super().encode(fid, delta, tokens), mine)
+
+    def encode_pair(
+        self, fid: FragmentId, delta: list[torch.Tensor], anchor_diff: list[torch.Tensor], tokens: int
+    ) -> Encoding:
+        """A butterfly pair message, both parts forged alike (x100, flip, floatmax; the pair rule clips)."""
+        return self._forged(fid, super().encode_pair(fid, delta, anchor_diff, tokens), delta)
+
+    def _forged(self, fid: FragmentId, honest: Encoding, mine: list[torch.Tensor]) -> Encoding:
         if not self.attack.active(fid.round):
             return honest
 
@@ -402,7 +410,9 @@ def run_outer(
     store: ObjectStore,
     log: logging.Logger,
     attack: Attack | None = None,
+    kill: tuple[int, int] | None = None,
 ) -> Result:
+    """kill: (replica, rounds) — that replica stops for good after that many rounds (its slot stays)."""
     spec = arm_spec(name, sync, s)
     ids = [Identity.from_seed(bytes([r + 1]) * 32) for r in range(s.replicas)]
     peers = {r: ids[r].peer_id for r in range(s.replicas)}
@@ -450,20 +460,22 @@ def run_outer(
     t0 = time.perf_counter()
     diverged_at = None
     for step in range(t.total_steps):
+        alive = [r for r in range(s.replicas) if kill is None or r != kill[0] or step < kill[1] * sync.H]
         losses = [
             train_on(
                 m, o, s, step, corpus.train_batch(t.data_seed, r, step, spec.batch_of(r), s.model.seq_len)
             )
             for r, (m, o) in enumerate(replicas)
+            if r in alive
         ]
         if not all(math.isfinite(x) for x in losses):
             diverged_at = step
             break
-        for sy in syncs:  # capture phase for every replica, then apply phase: no replica waits on itself
-            sy.capture_due(step + 1)
-        for sy in syncs:
-            sy.apply_due(step + 1)
-        if not all(bool(torch.isfinite(a).all()) for a in syncs[0].anchor):
+        for r in alive:  # capture phase for every replica, then apply phase: no replica waits on itself
+            syncs[r].capture_due(step + 1)
+        for r in alive:
+            syncs[r].apply_due(step + 1)
+        if not all(bool(torch.isfinite(a).all()) for a in syncs[alive[0]].anchor):
             diverged_at = step + 1
             break
         if step % 100 == 0 or step == t.total_steps - 1:
@@ -478,7 +490,8 @@ def run_outer(
     for sy in syncs:
         sy.finish()  # streaming: apply the fragments captured in the last tau steps
     train_s = time.perf_counter() - t0
-    anchors = [sy.anchor for sy in syncs]
+    live = [r for r in range(s.replicas) if kill is None or r != kill[0]]
+    anchors = [syncs[r].anchor for r in live]
     butterfly = sync.topology == "butterfly"
     for a in [] if butterfly else anchors[1:]:  # butterfly: no consensus, each replica its own anchor
         if not all(torch.equal(x, y) for x, y in zip(anchors[0], a, strict=True)):
@@ -491,14 +504,14 @@ def run_outer(
                 p.copy_(w)
         return evaluate(model, val) if diverged_at is None else math.nan
 
-    st = [sy.stats for sy in syncs]
+    st = [syncs[r].stats for r in live]
     # butterfly: a sit-out applies nothing, so count the rounds the schedule ran
     rounds = t.total_steps // sync.H if butterfly else st[0].rounds_applied / sync.P
     extra: dict[str, Any] = {}
     if butterfly:
         extra["replica_bpb"] = [bpb_of(a) for a in anchors]
         extra["spread"] = anchor_spread(anchors, start)
-        counts = [sy.pairs.stats for sy in syncs if sy.pairs is not None]
+        counts = [syncs[r].pairs.stats for r in live if syncs[r].pairs is not None]  # type: ignore[union-attr]
         extra["pair_counts"] = {
             k: sum(getattr(c, k) for c in counts)
             for k in ("exchanged", "unpaired", "missing", "refused", "clipped")
@@ -620,6 +633,18 @@ def parser() -> argparse.ArgumentParser:
         default=1.0,
         help="W (sync.timeout_s) of the late arms; their late fragments arrive W + 2.5 s into the round",
     )
+    ap.add_argument(
+        "--kill-replica",
+        type=int,
+        help="this replica stops for good after --kill-round rounds (a node killed mid-run; its slot stays "
+        "assigned, so its partners' exchanges with it are skipped and counted)",
+    )
+    ap.add_argument(
+        "--kill-round", type=int, default=10, help="rounds before --kill-replica stops (default 10)"
+    )
+    ap.add_argument(
+        "--timeout-s", type=float, help="W (sync.timeout_s) of the non-late arms (default: the spec's, 60 s)"
+    )
     ap.add_argument("--attack", choices=ATTACKS, help="one replica uploads forged fragments (see above)")
     ap.add_argument("--attack-replica", type=int, help="the hostile replica (default the last)")
     ap.add_argument("--attack-rounds", default="3-8", help="1-based outer rounds of the attack (default 3-8)")
@@ -659,6 +684,8 @@ def arm_sync(name: str, args: argparse.Namespace) -> SyncSpec:
     if name in MIXED_ARMS:
         late["weighting"] = MIXED_ARMS[name]
     alpha = args.alpha
+    if args.timeout_s is not None and name not in LATE_ARMS:
+        late["timeout_s"] = args.timeout_s
     if name == "butterfly":
         late.update(topology="butterfly", max_late_rounds=0, pair_blend=args.pair_blend)
         alpha = args.alpha if args.butterfly_alpha is None else args.butterfly_alpha
@@ -716,6 +743,8 @@ class Plan:
     syncs: dict[str, SyncSpec]
     """Sync settings of every selected outer arm (adamw has none)."""
     attack: Attack | None
+    kill: tuple[int, int] | None = None
+    """(replica, rounds): --kill-replica stops after --kill-round rounds."""
 
 
 def plan(argv: list[str] | None = None) -> Plan:
@@ -739,6 +768,8 @@ def plan(argv: list[str] | None = None) -> Plan:
         if not 0 <= who < args.replicas:
             ap.error(f"--attack-replica {who} must be in 0..{args.replicas - 1}")
         attack = Attack(kind=args.attack, replica=who, first=first, last=last)
+        if attack.kind in COLLUDING and "butterfly" in arms:
+            ap.error(f"--attack {attack.kind} is aimed at a round's honest mean; a butterfly pair has none")
         if "adamw" in arms or "diloco" in arms:
             ap.error("--attack forges SparseLoCo fragments: use SparseLoCo arms only (--arms sparseloco)")
     try:
@@ -768,7 +799,16 @@ def plan(argv: list[str] | None = None) -> Plan:
             arm_spec(name, syncs[name], s)  # the run spec's own checks, as run_outer builds it
         except ValueError as e:
             ap.error(f"--arms {name}: {e}{refusal_hint(name, args)}")
-    return Plan(args=args, arms=arms, setup=s, syncs=syncs, attack=attack)
+    kill = None
+    if args.kill_replica is not None:
+        if not 0 < args.kill_replica < args.replicas:  # replica 0's anchor is the arm's figure
+            ap.error(f"--kill-replica {args.kill_replica} must be in 1..{args.replicas - 1}")
+        if not 0 < args.kill_round < args.steps // args.H:
+            ap.error(
+                f"--kill-round {args.kill_round} must be in 1..{args.steps // args.H - 1} (the run's rounds)"
+            )
+        kill = (args.kill_replica, args.kill_round)
+    return Plan(args=args, arms=arms, setup=s, syncs=syncs, attack=attack, kill=kill)
 
 
 def check(p: Plan) -> dict[str, Any]:
@@ -835,7 +875,7 @@ def main(argv: list[str] | None = None) -> int:
             r = (
                 run_adamw(s, corpus, val, log)
                 if name == "adamw"
-                else run_outer(name, syncs[name], s, corpus, val, store, log, attack)
+                else run_outer(name, syncs[name], s, corpus, val, store, log, attack, p.kill)
             )
             log.info("%s: val bpb %.4f (%.0f s)", name, r.val_bpb, r.train_s)
             results.append(r)
@@ -886,6 +926,8 @@ def main(argv: list[str] | None = None) -> int:
         "attack": None
         if attack is None
         else {"kind": attack.kind, "replica": attack.replica, "rounds": [attack.first, attack.last]},
+        "kill": None if p.kill is None else {"replica": p.kill[0], "after_rounds": p.kill[1]},
+        "timeout_s": args.timeout_s,
         "diloco_alpha": args.diloco_alpha,
         "diloco_momentum": args.diloco_momentum,
         "lr": train.lr,

@@ -210,10 +210,10 @@ def clamp_to_median_max_abs(
 
 
 def median_norm_clip(
-    contribs: Contributions, ratio: float = 1.0
+    contribs: Contributions, ratio: float = 1.0, reference: Mapping[int, float] | None = None
 ) -> tuple[dict[int, list[torch.Tensor]], dict[int, float]]:
     """Scale each contribution to at most `ratio` times the median L2 norm (the lower median for an even
-    count).
+    count); reference: each contribution's own scale to take that median of instead of its norm.
 
     Returns the clipped contributions and the factor applied to each (float32-rounded, 1.0 if unclipped).
     """
@@ -221,7 +221,7 @@ def median_norm_clip(
     norms = {j: norm(ts) for j, ts in ordered}
     if not norms:
         return {}, {}
-    limit = ratio * _lower_median(list(norms.values()))
+    limit = ratio * _lower_median(list((reference or norms).values()))
     out: dict[int, list[torch.Tensor]] = {}
     factors: dict[int, float] = {}
     for j, ts in ordered:

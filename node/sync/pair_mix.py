@@ -12,7 +12,8 @@ it), or the run's initial weights before the pair first met. From the decoded pa
 compute, on the host in float64 in replica order (lower first):
 
     screen    each part finite and within the absolute bounds (max_abs, max_norm); else no pair result
-    clip      every c' to rho x min(||c'_i||, ||c'_k||), every z' to rho x min(||z'_i||, ||z'_k||)
+    clip      each end's message m' = (c', z') to rho x min(s_i, s_k),  s = ||m'|| + L ||c'||
+              (L = ceil(log2 N): an anchor difference holds up to L other pairs' results)
     P       = B + (z'_i + z'_k) / 2 - alpha (w_i c'_i + w_k c'_k) / (w_i + w_k)
               (per coordinate over the ends that sent it, under sync.aggregation = "per_coordinate")
 
@@ -21,11 +22,12 @@ anchor, so nothing of it is lost and it is sent again at the next exchange, to w
 
     A_i <- P + ((A_i - B) - z'_i)                      = A_i + (z'_k - z'_i) / 2 - alpha c_bar
 
-The pair rule's bound: with two contributions no majority exists, so each end's parts are clipped to rho
-times the smaller of the two ends' norms (the same factor at both ends, so P stays one). A hostile partner
-h then moves an honest end p's anchor, beyond what p's own parts do, by at most
+The pair rule's bound: with two contributions no majority exists, so each end's message is clipped to rho
+times the smaller of the two ends' scales s (both ends compute the same factors, so P stays one). A
+hostile partner h then moves an honest end p's anchor, beyond what p's own parts do, by at most
 
-    || z'_h / 2 - alpha w_h c'_h / (w_p + w_h) || <= rho (||z'_p|| / 2 + alpha w_h / (w_p + w_h) ||c'_p||)
+    || z'_h / 2 - alpha w_h c'_h / (w_p + w_h) || <= rho (1/2 + alpha w_h / (w_p + w_h)) s_p,
+    s_p = ||(c'_p, z'_p)|| + L ||c'_p||
 
 per exchange, whatever it sends (x100, a sign flip, float max): its norm is p's own times rho. Mixing only
 averages, so over later exchanges that displacement spreads over the replicas without growing in sum.
@@ -39,7 +41,7 @@ from dataclasses import dataclass
 
 import torch
 
-from node.sync.aggregation import Rejection, median_norm_clip, per_coordinate_mean, screen
+from node.sync.aggregation import Rejection, median_norm_clip, norm, per_coordinate_mean, screen
 
 
 @dataclass(frozen=True)
@@ -52,8 +54,8 @@ class PairResult:
     """Each end's pseudo-gradient part as P used it (clipped), float32."""
     z: dict[int, list[torch.Tensor]]
     """Each end's anchor-difference part as P used it (clipped), float32."""
-    factors: dict[int, tuple[float, float]]
-    """Each end's clip factors (c part, z part); 1.0 unless clipped."""
+    factors: dict[int, float]
+    """Each end's clip factor (its whole message); 1.0 unless clipped."""
 
     @property
     def sha256(self) -> str:
@@ -79,12 +81,14 @@ def pair_result(
     max_norm: float,
     weights: Mapping[int, float] | None = None,
     per_coordinate: bool = False,
+    reach: int = 1,
 ) -> tuple[PairResult | None, list[Rejection]]:
     """P from the two ends' decoded messages (replica -> [c tensors..., z tensors...], n of each for the
     fragment's n parameters of `base`'s shapes), or (None, why) when a message fails the screen: the
     exchange is then skipped by both ends. weights: each end's token weight (None: equal).
     per_coordinate: c_bar per coordinate over the ends that sent it (`sync.aggregation =
-    "per_coordinate"`: two sparse messages rarely overlap, so a plain mean would halve the outer step)."""
+    "per_coordinate"`: two sparse messages rarely overlap, so a plain mean would halve the outer step).
+    reach: L, the butterfly's stages (the rounds between two meetings of a pair, at most 2 L)."""
     if len(contribs) != 2:
         raise ValueError(f"a pair result needs the two ends' messages, got {sorted(contribs)}")
     n = len(base)
@@ -92,9 +96,14 @@ def pair_result(
     ok, rejected = screen(contribs, shapes, max_abs=max_abs, max_norm=max_norm)
     if rejected:
         return None, rejected
-    # of two norms the lower median is the smaller: each part to ratio x min(||i||, ||k||)
-    c, fc = median_norm_clip({j: ts[:n] for j, ts in ok.items()}, ratio)
-    z, fz = median_norm_clip({j: ts[n:] for j, ts in ok.items()}, ratio)
+    # of two scales the lower median is the smaller. An end's anchor difference holds what it took from
+    # other pairs since this pair last met, up to L of them, so its own pseudo-gradient L times over
+    # counts in its scale: an end whose anchor has not moved since (a replica with one partner, N = 3 or
+    # 2^k + 1, sends z = 0 every time) must not stop the other's anchor difference from crossing
+    scale = {j: norm(ts) + reach * norm(ts[:n]) for j, ts in ok.items()}
+    clipped, factors = median_norm_clip(ok, ratio, reference=scale)
+    c = {j: ts[:n] for j, ts in clipped.items()}
+    z = {j: ts[n:] for j, ts in clipped.items()}
     lo, hi = sorted(ok)
     w = {j: float((weights or {}).get(j, 1.0)) for j in (lo, hi)}
     if per_coordinate:
@@ -108,8 +117,7 @@ def pair_result(
     for i, b in enumerate(base):
         zbar = (z[lo][i].double() + z[hi][i].double()) / 2
         out.append((b.detach().cpu().double() + zbar - alpha * cbars[i]).float())
-    factors = {j: (fc[j], fz[j]) for j in (lo, hi)}
-    return PairResult(out, c, z, factors), []
+    return PairResult(out, c, z, {j: factors[j] for j in (lo, hi)}), []
 
 
 def anchor_after(

@@ -183,8 +183,11 @@ class PairMixer:
         me = self.replica
         for unsent in ex.unsent:
             self.codec.restore(fid, unsent)
+        # ours in the set and nothing unsent: that is our fresh message (after a restart the set holds the
+        # bytes our key already had, and the fresh one comes back in `unsent`, restored above)
+        ours_fresh = me in ex.contribs and not ex.unsent
         if set(ex.contribs) != {me, p}:
-            if me in ex.contribs:
+            if ours_fresh:
                 self.codec.restore(fid, ex.contribs[me])
             with self.lock:
                 self.stats.missing += 1
@@ -207,9 +210,11 @@ class PairMixer:
             max_norm=self.cfg.max_norm,
             weights=ex.weights if self.cfg.weighted else None,
             per_coordinate=self.cfg.per_coordinate,
+            reach=butterfly_stages(self.cfg.replicas),
         )
         if result is None:
-            self.codec.restore(fid, ex.contribs[me])
+            if ours_fresh:
+                self.codec.restore(fid, ex.contribs[me])
             with self.lock:
                 self.stats.refused += 1
                 self.sync_stats.rejected += len(rejected)
@@ -224,7 +229,7 @@ class PairMixer:
             self.bases[key] = [self.project(i, t) for i, t in zip(idx, result.tensors, strict=True)]
         with self.lock:
             self.stats.exchanged += 1
-            self.stats.clipped += any(fc != 1.0 or fz != 1.0 for fc, fz in result.factors.values())
+            self.stats.clipped += any(f != 1.0 for f in result.factors.values())
             name = f"{fid.stage}.{fid.fragment}"
             self.stats.last.pop(name, None)
             self.stats.last[name] = f"{fid.round}:{p}:{result.sha256}"

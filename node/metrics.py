@@ -38,6 +38,10 @@ _FRAGMENT_OUTCOMES = {
 }
 
 
+_PAIR_OUTCOMES = ("exchanged", "unpaired", "missing", "refused", "clipped")
+"""Butterfly exchanges by outcome (`WorkerMetrics.pair_exchanges`)."""
+
+
 def _labels(m: WorkerMetrics) -> Labels:
     return (m.run_id, str(m.replica), str(m.stage))
 
@@ -53,6 +57,8 @@ def _counts(m: WorkerMetrics) -> _Totals:
     t = _Totals()
     for name in (*_COUNTERS, *_FRAGMENT_OUTCOMES):
         t.counters[name] = getattr(m, name)
+    for outcome in _PAIR_OUTCOMES:
+        t.counters[f"pair_{outcome}"] = m.pair_exchanges.get(outcome, 0)
     for peer, (sent, recv) in m.link_bytes.items():
         t.link_bytes[(peer, "sent")] += sent
         t.link_bytes[(peer, "received")] += recv
@@ -181,12 +187,20 @@ def _counter_families(totals: dict[Labels, _Totals]) -> Iterable[Metric]:
         "pipeline bytes by neighbour and direction",
         labels=[*_RUN_LABELS, "peer", "direction"],
     )
+    pairs = CounterMetricFamily(
+        "crucible_pair_exchanges",
+        "butterfly pair exchanges by outcome (sync.topology = butterfly)",
+        labels=[*_RUN_LABELS, "outcome"],
+    )
     for lv3, t in sorted(totals.items()):
         for fieldname, outcome in _FRAGMENT_OUTCOMES.items():
             frags.add_metric([*lv3, outcome], t.counters[fieldname])
+        for outcome in _PAIR_OUTCOMES:
+            pairs.add_metric([*lv3, outcome], t.counters[f"pair_{outcome}"])
         for (peer, direction), n in sorted(t.link_bytes.items()):
             link.add_metric([*lv3, peer, direction], n)
     yield frags
+    yield pairs
     yield link
 
 

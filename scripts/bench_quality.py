@@ -110,6 +110,8 @@ COLLUDING = ("reversed", "orthogonal")
 """Attacks built from the round's honest contributions (`HonestBoard`), not from the attacker's own alone."""
 FLOATMAX_TARGET = 1e38
 """Largest |value| of a "floatmax" forgery: float32's max is 3.4e38, so two of them summed overflow."""
+SPREAD_EVERY = 10
+"""The butterfly arm records its anchors' spread every this many rounds."""
 BOARD_WAIT_S = 60.0
 """How long a colluding forgery waits for the round's honest contributions (all are encoded in the same
 capture phase, before any replica applies, so only a bug makes it wait at all)."""
@@ -139,6 +141,8 @@ class Result:
     """Butterfly: each replica's own anchor's bits per byte (no consensus)."""
     spread: float | None = None
     """Butterfly: max over replicas of ||A_r - mean A|| / ||mean A - A_0|| at the end (A_0: the start)."""
+    spread_history: list[tuple[int, float]] = field(default_factory=list)
+    """Butterfly: (round, spread) every SPREAD_EVERY rounds."""
     pair_counts: dict[str, int] = field(default_factory=dict)
     """Butterfly: exchanges blended, sat out, missing, refused, clipped (summed over replicas)."""
     wait_s: float = 0.0
@@ -456,6 +460,7 @@ def run_outer(
         )
         replicas.append((model, opt))
     start = [a.clone() for a in syncs[0].anchor]
+    spread_history: list[tuple[int, float]] = []
     t = s.train
     t0 = time.perf_counter()
     diverged_at = None
@@ -475,6 +480,10 @@ def run_outer(
             syncs[r].capture_due(step + 1)
         for r in alive:
             syncs[r].apply_due(step + 1)
+        if sync.topology == "butterfly" and (step + 1) % (SPREAD_EVERY * sync.H) == 0:
+            spread_history.append(
+                ((step + 1) // sync.H, anchor_spread([syncs[r].anchor for r in alive], start))
+            )
         if not all(bool(torch.isfinite(a).all()) for a in syncs[alive[0]].anchor):
             diverged_at = step + 1
             break
@@ -511,6 +520,7 @@ def run_outer(
     if butterfly:
         extra["replica_bpb"] = [bpb_of(a) for a in anchors]
         extra["spread"] = anchor_spread(anchors, start)
+        extra["spread_history"] = [(r, round(x, 4)) for r, x in spread_history]
         counts = [syncs[r].pairs.stats for r in live if syncs[r].pairs is not None]  # type: ignore[union-attr]
         extra["pair_counts"] = {
             k: sum(getattr(c, k) for c in counts)
@@ -958,6 +968,7 @@ def main(argv: list[str] | None = None) -> int:
         if "butterfly" in by
         else None,
         "butterfly_spread": None if "butterfly" not in by else by["butterfly"].spread,
+        "butterfly_spread_history": None if "butterfly" not in by else by["butterfly"].spread_history,
         "butterfly_pairs": by["butterfly"].pair_counts if "butterfly" in by else None,
         "rejected": sum(r.rejected for r in results),
         "missing": sum(r.missing for r in results),

@@ -892,9 +892,14 @@ def test_butterfly_pairs_mix_four_replicas_and_the_run_exports(
         assert by[int(p)]["pair_sha256"]["0.0"] == f"{last}:{r}:{sha}"  # the same bits at both ends
         assert m["val_history"][-1][1] < m["val_history"][0][1], m["val_history"]
     assert len({m["weights_sha256"] for m in by.values()}) == 4  # no consensus: each its own weights
+    slots = _slots(swarm, run_id)
+    sampled = scrape(f"{swarm.health[slots[(0, 0)]]}/metrics")  # the outcomes as /metrics counts them
+    counted = {
+        lab["outcome"]: v for lab, v in sampled["crucible_pair_exchanges_total"] if lab["run"] == run_id
+    }
+    assert counted["exchanged"] == rounds and counted["missing"] == 0
 
     store = ObjectStore(StoreConfig(endpoint_url=swarm.store_url, bucket="crucible"))
-    slots = _slots(swarm, run_id)
     anchors = []
     for r in range(4):
         signer = Identity.load_or_create(swarm.out / f"node{slots[(r, 0)]}.key")

@@ -591,8 +591,8 @@ def parser() -> argparse.ArgumentParser:
     )
     ap.add_argument(
         "--arms",
-        default=",".join(a for a in ARMS if a not in LATE_ARMS and a not in MIXED_ARMS),
-        help=f"comma-separated subset of {','.join(ARMS)} (default: all but the late and mixed arms)",
+        default=",".join(a for a in ARMS if a not in LATE_ARMS and a not in MIXED_ARMS and a != "butterfly"),
+        help=f"comma-separated subset of {','.join(ARMS)} (default: all but the late, mixed and butterfly arms)",
     )
     ap.add_argument("--replicas", type=int, default=4, help="R simulated replicas (default 4)")
     ap.add_argument("--steps", type=int, default=1000, help="inner steps per replica (default 1000)")

@@ -96,3 +96,22 @@ def test_bench_butterfly_reads_one_partner_message_per_round() -> None:
     assert 1.5 < rows[8]["ratio_x_n_minus_1"] < 2.5  # two parts from one partner, not N - 1 fragments
     assert rows[8]["butterfly_exchanges_to_mix"] == 3 and rows[4]["butterfly_exchanges_to_mix"] == 2
     assert rows[6]["butterfly_sit_out_share"] > 0 == rows[8]["butterfly_sit_out_share"]
+
+
+def test_bench_quality_butterfly_arm_reads_one_message_per_exchange() -> None:
+    """The butterfly arm (issue 23): 4 replicas pair up each round, every exchange blended, each replica
+    downloading one partner's message per round (about twice its own upload: pseudo-gradient plus anchor
+    difference), and the anchors apart (no consensus) but close."""
+    out = run_bench(
+        "scripts.bench_quality", "--replicas", "4", "--steps", "60", "--H", "10", "--warmup", "10",
+        "--eval-batches", "4", "--arms", "butterfly,sparseloco", "--d-model", "64", "--batch", "4",
+        "--timeout-s", "5", "--threads", "1",
+    )  # fmt: skip
+    rounds = out["steps"] // out["H"]
+    assert out["butterfly_pairs"] == {
+        "exchanged": 4 * rounds, "unpaired": 0, "missing": 0, "refused": 0, "clipped": 0
+    }  # fmt: skip
+    down, up = out["bytes_down_per_round"], out["bytes_up_per_round"]
+    assert 0.9 < down["butterfly"] / up["butterfly"] < 1.1  # one partner's message of its own size
+    assert 2.5 < down["sparseloco"] / up["sparseloco"] < 3.5  # N - 1 = 3 fragments
+    assert 0 < out["butterfly_spread"] < 1 and len(set(out["butterfly_val_bpb"])) > 1

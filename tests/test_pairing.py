@@ -223,3 +223,16 @@ def test_the_pair_rule_does_not_hold_back_mixing_for_any_replica_count(n: int) -
     left them 4.5x as far apart for N = 3, 2.9x for N = 5)."""
     bounded, free = _spread_after_mixing(n, BOUNDS["ratio"]), _spread_after_mixing(n, 1e3)
     assert bounded <= 1.5 * free, (bounded, free)
+
+
+def test_per_coordinate_pair_mean_does_not_halve_what_only_one_end_sent() -> None:
+    base = [torch.zeros(2, 2)]
+    a = [torch.tensor([[1.0, 0.0], [2.0, 0.0]]), torch.zeros(2, 2)]
+    b = [torch.tensor([[3.0, 4.0], [0.0, 0.0]]), torch.zeros(2, 2)]
+    bounds = {**BOUNDS, "ratio": 1e3}
+    res, _ = pair_result({0: a, 1: b}, base, per_coordinate=True, **bounds)
+    plain, _ = pair_result({0: a, 1: b}, base, **bounds)
+    assert res is not None and plain is not None
+    # -alpha c_bar: (1 + 3) / 2 where both sent, 4 and 2 where one did, 0 where none did
+    assert torch.equal(res.tensors[0], -torch.tensor([[2.0, 4.0], [2.0, 0.0]]))
+    assert torch.equal(plain.tensors[0], -torch.tensor([[2.0, 2.0], [1.0, 0.0]]))

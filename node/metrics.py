@@ -15,6 +15,7 @@ from dataclasses import dataclass, field
 
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
 
+from node.sync.pair_sync import PAIR_OUTCOMES
 from node.worker import WorkerMetrics
 from protocol.process.metrics import gauge, http_families, rejected_family, store_families
 
@@ -38,10 +39,6 @@ _FRAGMENT_OUTCOMES = {
 }
 
 
-_PAIR_OUTCOMES = ("exchanged", "unpaired", "missing", "refused", "clipped")
-"""Butterfly exchanges by outcome (`WorkerMetrics.pair_exchanges`)."""
-
-
 def _labels(m: WorkerMetrics) -> Labels:
     return (m.run_id, str(m.replica), str(m.stage))
 
@@ -57,7 +54,7 @@ def _counts(m: WorkerMetrics) -> _Totals:
     t = _Totals()
     for name in (*_COUNTERS, *_FRAGMENT_OUTCOMES):
         t.counters[name] = getattr(m, name)
-    for outcome in _PAIR_OUTCOMES:
+    for outcome in PAIR_OUTCOMES:
         t.counters[f"pair_{outcome}"] = m.pair_exchanges.get(outcome, 0)
     for peer, (sent, recv) in m.link_bytes.items():
         t.link_bytes[(peer, "sent")] += sent
@@ -195,7 +192,7 @@ def _counter_families(totals: dict[Labels, _Totals]) -> Iterable[Metric]:
     for lv3, t in sorted(totals.items()):
         for fieldname, outcome in _FRAGMENT_OUTCOMES.items():
             frags.add_metric([*lv3, outcome], t.counters[fieldname])
-        for outcome in _PAIR_OUTCOMES:
+        for outcome in PAIR_OUTCOMES:
             pairs.add_metric([*lv3, outcome], t.counters[f"pair_{outcome}"])
         for (peer, direction), n in sorted(t.link_bytes.items()):
             link.add_metric([*lv3, peer, direction], n)

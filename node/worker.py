@@ -33,7 +33,7 @@ from node.pipeline.schedule import PipelineStage, StepStats
 from node.pipeline.transport import Link, Shaper, connect
 from node.subspace_model import boundary_codecs, confinement, constrain_stage, project_weights_
 from node.sync.outer_sync import LocalState, OuterSync
-from node.sync.pair_sync import pair_settings
+from node.sync.pair_sync import PAIR_OUTCOMES, pair_settings
 from node.sync.sparseloco_sync import make_sync_parts
 from node.sync.stage_checkpoints import StageCheckpoints
 from protocol import keys
@@ -542,9 +542,7 @@ class StageWorker:
         m.round_tokens = {str(r): t for r, t in sorted(sync.stats.last_tokens.items())}
         if sync.pairs is not None:
             ps = sync.pairs.stats
-            m.pair_exchanges = {
-                k: getattr(ps, k) for k in ("exchanged", "unpaired", "missing", "refused", "clipped")
-            }
+            m.pair_exchanges = {k: getattr(ps, k) for k in PAIR_OUTCOMES}
             m.pair_sha256 = dict(ps.last)
 
     def _report(self) -> None:

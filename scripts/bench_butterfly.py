@@ -19,6 +19,7 @@ import sys
 
 import torch
 
+from node.sync.pair_mix import base_tag
 from protocol.codecs.sparseloco import SparseLoCoConfig, compress
 from protocol.codecs.sparseloco_format import FragmentHeader, encode_fragment
 from protocol.identity import Identity
@@ -59,7 +60,7 @@ def main(argv: list[str] | None = None) -> int:
         return 0
     delta, anchor_diff = block(args.d, 1), block(args.d, 2)
     one = wire_bytes(delta)
-    pair = wire_bytes(delta + anchor_diff)
+    pair = wire_bytes([*delta, *anchor_diff, base_tag(anchor_diff)])  # the message as pair_sync sends it
     rows = []
     for n in ns:
         L = butterfly_stages(n)  # the share of replica-exchanges the rule sits out, over one butterfly cycle

@@ -77,7 +77,7 @@ from node.inner_step import inner_step, make_optimizer, prepare_stage
 from node.model import Stage, build_full_model, lm_loss
 from node.sync.aggregation import norm
 from node.sync.outer_sync import Contribution, Encoding, FragmentCodec, FragmentId, OuterSync
-from node.sync.pair_sync import pair_settings
+from node.sync.pair_sync import PAIR_OUTCOMES, pair_settings
 from node.sync.sparseloco_sync import SparseLoCoCodec, make_sync_parts
 from protocol.codecs.sparseloco import CompressedFragment, SparseLoCoConfig, compress, decompress
 from protocol.codecs.sparseloco_format import decode_fragment, encode_fragment
@@ -522,10 +522,7 @@ def run_outer(
         extra["spread"] = anchor_spread(anchors, start)
         extra["spread_history"] = [(r, round(x, 4)) for r, x in spread_history]
         counts = [syncs[r].pairs.stats for r in live if syncs[r].pairs is not None]  # type: ignore[union-attr]
-        extra["pair_counts"] = {
-            k: sum(getattr(c, k) for c in counts)
-            for k in ("exchanged", "unpaired", "missing", "refused", "clipped")
-        }
+        extra["pair_counts"] = {k: sum(getattr(c, k) for c in counts) for k in PAIR_OUTCOMES}
     return Result(
         name,
         bpb_of(anchors[0]),

@@ -211,3 +211,27 @@ def test_butterfly_needs_two_replicas_and_names_its_settings() -> None:
         SyncSpec(topology="butterfly", max_late_rounds=0, pair_blend="all")  # type: ignore[arg-type]
     spec = RunSpec(run_id="b", replicas=3, sync=SyncSpec(topology="butterfly", max_late_rounds=0))
     assert spec.sync.pair_clip == 2.0 and spec.sync.pair_blend == "outer"
+
+
+def test_ends_holding_different_bases_both_skip_and_restart_the_pair_from_zero(store: ObjectStore) -> None:
+    """One end restored an older base (or applied an exchange the other skipped): the base tags in the two
+    messages differ, both ends see it from the same bytes, skip that exchange and restart from one base."""
+    syncs = replicas(store, 2, P=1, tau=0)
+    try:
+        lockstep(syncs, range(1, 5))  # rounds 0 and 1: bases agree
+        one = syncs[1].pairs
+        assert one is not None and syncs[0].pairs is not None
+        one.bases[0, 0, 0] = [b + 1e-3 for b in one.bases[0, 0, 0]]  # replica 1 now holds another base
+        before = [[a.clone() for a in s.anchor] for s in syncs]
+        lockstep(syncs, range(5, 7))  # round 2: detected at both ends
+        for s, b in zip(syncs, before, strict=True):
+            assert s.pairs is not None and s.pairs.stats.resynced == 1 and s.pairs.stats.exchanged == 2
+            assert all(torch.equal(x, y) for x, y in zip(s.anchor, b, strict=True))  # skipped
+            assert all(float(t.abs().sum()) == 0 for t in s.pairs.bases[0, 0, 1 - s.replica])
+        lockstep(syncs, range(7, 9))  # round 3: one base again, one pair result
+        last = [s.pairs.stats.last["0.0"] for s in syncs]  # type: ignore[union-attr]
+        assert last[0].split(":")[2] == last[1].split(":")[2] and last[0].startswith("3:")
+        assert [s.pairs.stats.exchanged for s in syncs] == [3, 3]  # type: ignore[union-attr]
+    finally:
+        for s in syncs:
+            s.finish()

@@ -886,6 +886,7 @@ def test_butterfly_pairs_mix_four_replicas_and_the_run_exports(
             "missing": 0,
             "refused": 0,
             "clipped": 0,
+            "resynced": 0,
         }
         last, p, sha = m["pair_sha256"]["0.0"].split(":")
         assert (int(last), int(p)) == (rounds - 1, partner(r, rounds - 1, 0, 4))

@@ -6,6 +6,7 @@ two parts, compressed by the SparseLoCo codec:
 
     c_i = Q(e_i)       e_i = beta e_i + Delta_i        the pseudo-gradient, with the codec's error feedback
     z_i = Q(A_i - B)                                   its anchor's difference from the pair's base B
+    t_i = base_tag(B)                                  8 bytes of B's digest (both ends must hold one B)
 
 B is the pair result of the pair's previous exchange of this fragment (both ends computed it, so both hold
 it), or the run's initial weights before the pair first met. From the decoded parts (c', z'), both ends
@@ -71,6 +72,27 @@ def digest(tensors: Sequence[torch.Tensor]) -> str:
     return h.hexdigest()
 
 
+TAG_LEN = 8
+"""Bytes of the base's digest a pair message carries (`base_tag`)."""
+
+
+def base_tag(base: Sequence[torch.Tensor]) -> torch.Tensor:
+    """The last tensor of a pair message: the first TAG_LEN bytes of `digest(base)`, each + 1 (1..256, so the
+    codec's dense 1-D path, fp16 of v / max|v|, gives them back exactly after rounding). Both ends send the
+    digest of the base they hold, so a pair whose bases differ (one end restored an older one, or one end
+    applied an exchange the other skipped) finds out, at both ends, from the same bytes."""
+    raw = bytes.fromhex(digest(base))[:TAG_LEN]
+    return torch.tensor([b + 1 for b in raw], dtype=torch.float32)
+
+
+def tag_bytes(tag: torch.Tensor) -> bytes:
+    """`base_tag`'s bytes from a decoded tag tensor (b"" if it is not one)."""
+    if tuple(tag.shape) != (TAG_LEN,) or not bool(torch.isfinite(tag).all()):
+        return b""
+    vals = torch.round(tag.detach().cpu().double()).long() - 1
+    return bytes(int(v) for v in vals) if bool(((vals >= 0) & (vals <= 255)).all()) else b""
+
+
 def pair_result(
     contribs: Mapping[int, Sequence[torch.Tensor]],
     base: Sequence[torch.Tensor],
@@ -131,4 +153,4 @@ def anchor_after(
     ]
 
 
-__all__ = ["PairResult", "anchor_after", "digest", "pair_result"]
+__all__ = ["TAG_LEN", "PairResult", "anchor_after", "base_tag", "digest", "pair_result", "tag_bytes"]

@@ -33,12 +33,14 @@ from dataclasses import dataclass, field
 import torch
 
 from node.sync.exchange import Exchange, Exchanged, FragmentCodec, FragmentId, SyncStats
-from node.sync.pair_mix import anchor_after, pair_result
+from node.sync.pair_mix import TAG_LEN, anchor_after, base_tag, pair_result, tag_bytes
 from protocol.pairing import butterfly_stages, partner
 from protocol.runspec import RunSpec
 
 log = logging.getLogger(__name__)
 
+PAIR_OUTCOMES = ("exchanged", "unpaired", "missing", "refused", "clipped", "resynced")
+"""`PairStats`' counters, as /status (`pair_exchanges`), /metrics and the benchmarks name them."""
 MAX_REPORTED = 64
 """`PairStats.last` keeps the newest pair result digest of at most this many (group, fragment)s."""
 
@@ -96,6 +98,8 @@ class PairStats:
     """Exchanges skipped because a message failed the pair screen (both ends skip it)."""
     clipped: int = 0
     """Exchanges in which the pair rule scaled a part of either end."""
+    resynced: int = 0
+    """Exchanges skipped because the ends held different bases (both restart the pair from zero)."""
     last: dict[str, str] = field(default_factory=dict)
     """"g.f" -> "round:partner:sha256" of the newest pair result of that fragment (both ends publish it)."""
 
@@ -167,12 +171,13 @@ class PairMixer:
         base = self.bases[g, f, p]
         with torch.no_grad():
             diff = [a - b.to(a.device) for a, b in zip(anchor, base, strict=True)]
-        encoding = self.codec.encode_pair(fid, delta, diff, tokens)  # type: ignore[attr-defined]
+        tag = base_tag(base).to(diff[0].device if diff else "cpu")
+        encoding = self.codec.encode_pair(fid, delta, [*diff, tag], tokens)  # type: ignore[attr-defined]
         key = (g, p, peers[p])
         if key not in self._exchanges:
             self._exchanges[key] = self.make_exchange(g, peers)
         ex = self._exchanges[key]
-        return p, lambda: ex.run(fid, encoding, shapes + shapes)
+        return p, lambda: ex.run(fid, encoding, [*shapes, *shapes, torch.Size([TAG_LEN])])
 
     # --- apply --------------------------------------------------------------------------------------
     def apply(
@@ -201,8 +206,12 @@ class PairMixer:
             return None
         key = (fid.stage, fid.fragment, p)
         base = self.bases[key]
+        tags = {j: tag_bytes(ts[-1]) for j, ts in ex.contribs.items()}
+        if len(set(tags.values())) != 1 or b"" in tags.values():
+            self._resync(fid, p, ex, ours_fresh)
+            return None
         result, rejected = pair_result(
-            ex.contribs,
+            {j: ts[:-1] for j, ts in ex.contribs.items()},
             base,
             alpha=self.cfg.alpha,
             ratio=self.cfg.ratio,
@@ -237,6 +246,26 @@ class PairMixer:
                 self.stats.last.pop(next(iter(self.stats.last)))
         return new_anchor
 
+    def _resync(self, fid: FragmentId, p: int, ex: Exchanged, ours_fresh: bool) -> None:
+        """The two ends hold different bases (the tags differ): both see it from the same bytes, both skip
+        the exchange, and both restart the pair from the same base, zero (the next anchor differences are
+        then whole anchors; what their compression leaves stays in each anchor, as always)."""
+        if ours_fresh:
+            self.codec.restore(fid, ex.contribs[self.replica])
+        key = (fid.stage, fid.fragment, p)
+        self.bases[key] = [torch.zeros_like(b) for b in self.bases[key]]
+        self.base_round[key] = fid.round
+        with self.lock:
+            self.stats.resynced += 1
+        log.warning(
+            "round %d fragment %d (group %d): replica %d and we hold different pair bases (a restore from an "
+            "older checkpoint, or an exchange one of us skipped); both skip it and restart the pair from zero",
+            fid.round,
+            fid.fragment,
+            fid.stage,
+            p,
+        )
+
     def blend(self, live: torch.Tensor, anchor: torch.Tensor, at_capture: torch.Tensor) -> torch.Tensor:
         """The live weights after a pair result (`sync.pair_blend`)."""
         if self.cfg.blend == "half":
@@ -263,4 +292,4 @@ class PairMixer:
             self.base_round[g, f, p] = int(state[f"round.{p}.{names[idx[0]]}"].item()) if idx else -1
 
 
-__all__ = ["PairMixer", "PairSettings", "PairStats", "pair_settings"]
+__all__ = ["PAIR_OUTCOMES", "PairMixer", "PairSettings", "PairStats", "pair_settings"]

@@ -138,7 +138,7 @@ class SparseLoCoCodec(FragmentCodec):
         """e_f += decode(c): a contribution nobody received is sent again in a later round (of a pair's
         message, its Delta part: the anchor difference's residual is in the anchor)."""
         e_f = self.e[fid.stage, fid.fragment]
-        if len(unsent) not in (len(e_f), 2 * len(e_f)):
+        if len(unsent) not in (len(e_f), 2 * len(e_f), 2 * len(e_f) + 1):  # a pair message: + its base tag
             raise ValueError(f"{len(unsent)} tensors to restore into {len(e_f)} error-feedback buffers")
         for e, u in zip(e_f, unsent[: len(e_f)], strict=True):
             e.add_(u.to(e.device))

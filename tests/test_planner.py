@@ -33,6 +33,8 @@ from coordinator.plan.planner import (
     stage_work,
     transfer_s,
 )
+from coordinator.plan.spec import run_settings
+from protocol.runspec import RunSpec, SyncSpec
 
 EXAMPLES = Path(__file__).resolve().parent.parent / "docs" / "examples"
 
@@ -427,3 +429,20 @@ def test_a_link_that_costs_the_step_nothing_is_not_warned_about() -> None:
     slow = predict_placement(pl, adverts(20.0, speeds), CostModel.from_spec(dense))
     warned = [w for w in slow.warnings if "link messages add to the step" in w]
     assert len(warned) == 1 and "2 of 2" in warned[0] and "% of it; k down to 256" in warned[0], slow.warnings
+
+
+def test_butterfly_moves_one_partner_message_instead_of_r_minus_one_fragments() -> None:
+    """The one cost model knows sync.topology: with 8 replicas the all-to-all downloads 7 fragments per
+    exchange, the butterfly one message of two (pseudo-gradient and anchor difference)."""
+    hosts = tuple(tuple(_hosts(2, store=50.0)) for _ in range(8))
+    layout = Layout(replicas=hosts, layers=(4, 4))
+    settings = RunSettings(H=10, fragments=2, tau=1)
+    both = {
+        t: predict(UNIFORM, layout, dataclasses.replace(settings, topology=t)) for t in ("all", "butterfly")
+    }
+    ratio = both["butterfly"].fragment_transfer_s / both["all"].fragment_transfer_s
+    assert ratio == pytest.approx(2 / 7, rel=0.05), ratio
+    with pytest.raises(ValueError, match="topology"):
+        RunSettings(topology="ring")
+    spec = RunSpec(run_id="b", replicas=4, sync=SyncSpec(topology="butterfly", max_late_rounds=0))
+    assert run_settings(spec, 0.65).topology == "butterfly"

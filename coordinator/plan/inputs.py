@@ -287,6 +287,15 @@ class RunSettings:
     """Inner steps of overlap between a fragment's capture and its application (0 <= tau < H)."""
     compression_ratio: float = 200.0
     """SparseLoCo dense-fp32 bytes / bytes on the wire (DESIGN goal >= 200)."""
+    topology: str = "all"
+    """`sync.topology`: "all" reads the R - 1 other replicas' fragments per exchange; "butterfly" reads
+    one partner's message of twice a fragment (pseudo-gradient and anchor difference) and sends one."""
+
+    def fragment_copies(self, R: int) -> int:
+        """Fragments' worth of bytes a stage moves through the store per exchange of one fragment (the
+        all-to-all: one up, R - 1 down, the download dominating; butterfly: a message of two, down)."""
+        return 2 if self.topology == "butterfly" else max(1, R - 1)
+
     bytes_per_value: int = 2
     """Activation dtype on the wire (bf16)."""
     token_id_bytes: int | None = None
@@ -323,5 +332,7 @@ class RunSettings:
             raise ValueError(f"k and k_min must be >= 1, extra_in_flight >= 0 (got {self.k}, {self.k_min})")
         if not 0 < self.ceiling <= 1 or self.compression_ratio <= 0 or not 0 < self.fill_share <= 1:
             raise ValueError("ceiling and fill_share must be in (0, 1], compression_ratio > 0")
+        if self.topology not in ("all", "butterfly"):
+            raise ValueError(f"topology must be 'all' or 'butterfly' (got {self.topology!r})")
         if self.schedule not in ("1f1b", "gpipe"):
             raise ValueError(f"schedule must be '1f1b' or 'gpipe' (got {self.schedule!r})")

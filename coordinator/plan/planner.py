@@ -266,7 +266,8 @@ def _sync_wait(
     sync, t_f_max = 0.0, 0.0
     P, H, tau = settings.fragments, settings.H, settings.tau
     for s, n_params in enumerate(stage_params(shape, layers)):
-        t_f = transfer_s(n_params * 4 / settings.compression_ratio / P * max(1, R - 1), hosts[s].store_mbps)
+        copies = settings.fragment_copies(R)  # all-to-all: R - 1 down; butterfly: one message of two
+        t_f = transfer_s(n_params * 4 / settings.compression_ratio / P * copies, hosts[s].store_mbps)
         t_f_max = max(t_f_max, t_f)
         late = P * max(0.0, t_f - tau * step)
         backlog = P * t_f - H * step  # the I/O loop cannot keep up with one fragment every q steps
@@ -503,6 +504,7 @@ def predict(
                   T = max(max t_c, max t_x, (sum t_c + sum (rtt + 2 t_x)) / W), W = S (+extra) in flight
         sync    = max(P max(0, t_f - tau step), P t_f - H step) / H   # per inner step, per stage
         t_f     = params_s x 4 / ratio / P x max(1, R - 1) x 8 / store_bps  # up 1 copy, down R-1
+                  (sync.topology = "butterfly": x 2, one partner's message of two parts)
 
     Replicas never wait on each other (DESIGN section 2), so tokens/s sums over replicas; the
     breakdown weights each replica's seconds by its share of the pool's peak.

@@ -48,6 +48,7 @@ def run_settings(spec: RunSpec, ceiling: float) -> RunSettings:
         fragments=spec.sync.P,
         tau=spec.sync.tau,
         compression_ratio=sync_compression_ratio(spec),
+        topology=spec.sync.topology,
         bytes_per_value=WIRE_BYTES[spec.pipeline.wire_dtype],
         header_bytes=FRAME_HEADER_BYTES,
     )

@@ -216,7 +216,7 @@ class OuterLoopSettings:
     """Butterfly: how an end blends the pair result tau steps after it sent: "outer" = the outer step on
     the pair's mean (theta <- A' + local drift, as all-to-all does); "half" = the seed's 0.5 live weights
     + 0.5 pair result."""
-    pair_clip: float = 2.0
+    pair_clip: float = 1.0
     """Butterfly's pair rule, rho: each end's parts are clipped to rho x the smaller of the two ends' norms,
     so one hostile partner moves an honest end by at most rho x its own update per exchange."""
 

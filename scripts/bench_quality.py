@@ -77,6 +77,7 @@ from node.inner_step import inner_step, make_optimizer, prepare_stage
 from node.model import Stage, build_full_model, lm_loss
 from node.sync.aggregation import norm
 from node.sync.outer_sync import Contribution, Encoding, FragmentCodec, FragmentId, OuterSync
+from node.sync.pair_mix import TAG_LEN
 from node.sync.pair_sync import PAIR_OUTCOMES, pair_settings
 from node.sync.sparseloco_sync import SparseLoCoCodec, make_sync_parts
 from protocol.codecs.sparseloco import CompressedFragment, SparseLoCoConfig, compress, decompress
@@ -291,8 +292,27 @@ class ForgingCodec(SparseLoCoCodec):
     def encode_pair(
         self, fid: FragmentId, delta: list[torch.Tensor], anchor_diff: list[torch.Tensor], tokens: int
     ) -> Encoding:
-        """A butterfly pair message, both parts forged alike (x100, flip, floatmax; the pair rule clips)."""
-        return self._forged(fid, super().encode_pair(fid, delta, anchor_diff, tokens), delta)
+        """A butterfly pair message, both parts forged alike (x100, flip, floatmax) for the pair rule to
+        clip. Its last tensor, the base tag, stays honest (forged, the partner would only skip the
+        exchange), and the forger keeps its own honest message for itself (its own anchor stays sane, as
+        a forger's would; the two ends' bases then differ and their next exchange restarts the pair)."""
+        honest = super().encode_pair(fid, delta, anchor_diff, tokens)
+        if not self.attack.active(fid.round) or self.attack.kind in COLLUDING:
+            return honest
+
+        def forged() -> tuple[bytes, Contribution]:
+            data, own = honest()
+            header, cf, _ = decode_fragment(data)
+            bad = forge(cf, self.attack.kind)
+            cut = len(cf.dense) - TAG_LEN  # the base tag: the last tensor, sent dense, so the last values
+            bad = replace(
+                bad,
+                dense_scale=np.concatenate([bad.dense_scale[:-1], cf.dense_scale[-1:]]),
+                dense=np.concatenate([bad.dense[:cut], cf.dense[cut:]]),
+            )
+            return encode_fragment(self.identity, header, bad), own
+
+        return forged
 
     def _forged(self, fid: FragmentId, honest: Encoding, mine: list[torch.Tensor]) -> Encoding:
         if not self.attack.active(fid.round):
@@ -614,6 +634,10 @@ def parser() -> argparse.ArgumentParser:
         help=f"the butterfly arm's sync.pair_blend (default {SyncSpec.pair_blend})",
     )
     ap.add_argument("--butterfly-alpha", type=float, help="the butterfly arm's outer lr (default: --alpha)")
+    ap.add_argument("--butterfly-k", type=int, help="the butterfly arm's top-k per chunk (default: --k)")
+    ap.add_argument(
+        "--pair-clip", type=float, default=SyncSpec.pair_clip, help="the butterfly arm's sync.pair_clip (rho)"
+    )
     ap.add_argument(
         "--robust",
         choices=["trimmed", "clip_median", "none"],
@@ -690,12 +714,15 @@ def arm_sync(name: str, args: argparse.Namespace) -> SyncSpec:
     )
     if name in MIXED_ARMS:
         late["weighting"] = MIXED_ARMS[name]
-    alpha = args.alpha
+    alpha, k = args.alpha, args.k
     if args.timeout_s is not None and name not in LATE_ARMS:
         late["timeout_s"] = args.timeout_s
     if name == "butterfly":
-        late.update(topology="butterfly", max_late_rounds=0, pair_blend=args.pair_blend)
+        late.update(
+            topology="butterfly", max_late_rounds=0, pair_blend=args.pair_blend, pair_clip=args.pair_clip
+        )
         alpha = args.alpha if args.butterfly_alpha is None else args.butterfly_alpha
+        k = args.k if args.butterfly_k is None else args.butterfly_k
     if name == "diloco" or (name in LATE_ARMS and args.late_method == "diloco"):
         return SyncSpec(
             method="diloco",
@@ -720,7 +747,7 @@ def arm_sync(name: str, args: argparse.Namespace) -> SyncSpec:
         P=P,
         tau=tau,
         alpha=alpha,
-        k=args.k,
+        k=k,
         beta=args.beta,
         aggregation=args.aggregation,
         **late,
@@ -933,6 +960,10 @@ def main(argv: list[str] | None = None) -> int:
         "attack": None
         if attack is None
         else {"kind": attack.kind, "replica": attack.replica, "rounds": [attack.first, attack.last]},
+        "butterfly_k": args.butterfly_k,
+        "butterfly_alpha": args.butterfly_alpha,
+        "pair_blend": args.pair_blend,
+        "pair_clip": args.pair_clip,
         "kill": None if p.kill is None else {"replica": p.kill[0], "after_rounds": p.kill[1]},
         "timeout_s": args.timeout_s,
         "diloco_alpha": args.diloco_alpha,

@@ -210,7 +210,7 @@ def test_butterfly_needs_two_replicas_and_names_its_settings() -> None:
     with pytest.raises(ValueError, match="sync.pair_blend"):
         SyncSpec(topology="butterfly", max_late_rounds=0, pair_blend="all")  # type: ignore[arg-type]
     spec = RunSpec(run_id="b", replicas=3, sync=SyncSpec(topology="butterfly", max_late_rounds=0))
-    assert spec.sync.pair_clip == 2.0 and spec.sync.pair_blend == "outer"
+    assert spec.sync.pair_clip == 1.0 and spec.sync.pair_blend == "outer"
 
 
 def test_ends_holding_different_bases_both_skip_and_restart_the_pair_from_zero(store: ObjectStore) -> None:

@@ -110,7 +110,7 @@ def test_the_sync_section_is_flat_and_builds_its_components() -> None:
     # 5475778bf32e4af7 before issue 22 added sync.max_late_rounds (late fragments committed, default 1);
     # 52e6137c9ce0015d before it added sync.weighting (contributions weighed by their tokens, default)
     # d2879fb4cf2a15ce before issue 23 added sync.topology, pair_blend and pair_clip (butterfly mixing)
-    assert hashlib.sha256(encoded).hexdigest()[:16] == "8838fa31e42f9776"
+    assert hashlib.sha256(encoded).hexdigest()[:16] == "338aa6dcbd1ad7e7"
     s = SyncSpec(
         H=12, P=3, tau=2, k=16, chunk=256, beta=0.7, aggregation="mean", robust="clip_median", max_abs=5.0
     )

@@ -219,6 +219,10 @@ class OuterLoopSettings:
     pair_clip: float = 1.0
     """Butterfly's pair rule, rho: each end's parts are clipped to rho x the smaller of the two ends' norms,
     so one hostile partner moves an honest end by at most rho x its own update per exchange."""
+    pair_agreement: float = 0.0
+    """Butterfly's agreement rule, gamma: a pair whose pseudo-gradients, or whose anchor differences,
+    have a cosine below gamma gives no result (both ends skip; counted as `disagreed`), so a partner
+    cannot push against where our own message points, exchange after exchange. -1 turns it off."""
 
     def __post_init__(self) -> None:
         check_finite(self)
@@ -242,6 +246,7 @@ class OuterLoopSettings:
         if self.pair_blend not in ("outer", "half"):
             raise ValueError(f"sync.pair_blend={describe(self.pair_blend)} must be 'outer' or 'half'")
         check_range("sync.pair_clip", self.pair_clip, 1.0, 1e3)
+        check_range("sync.pair_agreement", self.pair_agreement, -1.0, 1.0)
         if self.topology != "butterfly":
             return
         refused = {

@@ -139,6 +139,8 @@ class Result:
     bytes_down_per_round: float = 0.0
     """Bytes one replica downloads per outer round (the other replicas' fragments it reads)."""
     replica_bpb: list[float] = field(default_factory=list)
+    mean_bpb: float | None = None
+    """Butterfly: the bits per byte of the replicas' mean anchor (a final full mix)."""
     """Butterfly: each replica's own anchor's bits per byte (no consensus)."""
     spread: float | None = None
     """Butterfly: max over replicas of ||A_r - mean A|| / ||mean A - A_0|| at the end (A_0: the start)."""
@@ -539,6 +541,7 @@ def run_outer(
     extra: dict[str, Any] = {}
     if butterfly:
         extra["replica_bpb"] = [bpb_of(a) for a in anchors]
+        extra["mean_bpb"] = bpb_of([sum(ws) / len(ws) for ws in zip(*anchors, strict=True)])
         extra["spread"] = anchor_spread(anchors, start)
         extra["spread_history"] = [(r, round(x, 4)) for r, x in spread_history]
         counts = [syncs[r].pairs.stats for r in live if syncs[r].pairs is not None]  # type: ignore[union-attr]
@@ -639,6 +642,12 @@ def parser() -> argparse.ArgumentParser:
         "--pair-clip", type=float, default=SyncSpec.pair_clip, help="the butterfly arm's sync.pair_clip (rho)"
     )
     ap.add_argument(
+        "--pair-agreement",
+        type=float,
+        default=SyncSpec.pair_agreement,
+        help="the butterfly arm's sync.pair_agreement (gamma; -1: off)",
+    )
+    ap.add_argument(
         "--robust",
         choices=["trimmed", "clip_median", "none"],
         default=SyncSpec.robust,
@@ -719,7 +728,11 @@ def arm_sync(name: str, args: argparse.Namespace) -> SyncSpec:
         late["timeout_s"] = args.timeout_s
     if name == "butterfly":
         late.update(
-            topology="butterfly", max_late_rounds=0, pair_blend=args.pair_blend, pair_clip=args.pair_clip
+            topology="butterfly",
+            max_late_rounds=0,
+            pair_blend=args.pair_blend,
+            pair_clip=args.pair_clip,
+            pair_agreement=args.pair_agreement,
         )
         alpha = args.alpha if args.butterfly_alpha is None else args.butterfly_alpha
         k = args.k if args.butterfly_k is None else args.butterfly_k
@@ -964,6 +977,7 @@ def main(argv: list[str] | None = None) -> int:
         "butterfly_alpha": args.butterfly_alpha,
         "pair_blend": args.pair_blend,
         "pair_clip": args.pair_clip,
+        "pair_agreement": args.pair_agreement,
         "kill": None if p.kill is None else {"replica": p.kill[0], "after_rounds": p.kill[1]},
         "timeout_s": args.timeout_s,
         "diloco_alpha": args.diloco_alpha,
@@ -995,6 +1009,7 @@ def main(argv: list[str] | None = None) -> int:
         "butterfly_val_bpb": [round(x, 5) for x in by["butterfly"].replica_bpb]
         if "butterfly" in by
         else None,
+        "butterfly_mean_val_bpb": None if "butterfly" not in by else by["butterfly"].mean_bpb,
         "butterfly_spread": None if "butterfly" not in by else by["butterfly"].spread,
         "butterfly_spread_history": None if "butterfly" not in by else by["butterfly"].spread_history,
         "butterfly_pairs": by["butterfly"].pair_counts if "butterfly" in by else None,

@@ -109,7 +109,7 @@ def test_bench_quality_butterfly_arm_reads_one_message_per_exchange() -> None:
     )  # fmt: skip
     rounds = out["steps"] // out["H"]
     assert {k: v for k, v in out["butterfly_pairs"].items() if k != "clipped"} == {
-        "exchanged": 4 * rounds, "unpaired": 0, "missing": 0, "refused": 0, "resynced": 0
+        "exchanged": 4 * rounds, "unpaired": 0, "missing": 0, "refused": 0, "disagreed": 0, "resynced": 0
     }  # fmt: skip
     down, up = out["bytes_down_per_round"], out["bytes_up_per_round"]
     assert 0.9 < down["butterfly"] / up["butterfly"] < 1.1  # one partner's message of its own size

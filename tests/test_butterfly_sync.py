@@ -38,12 +38,27 @@ def params() -> list[torch.nn.Parameter]:
 
 
 def replicas(
-    store: ObjectStore, n: int, *, live: int | None = None, P: int = 2, tau: int = 1, ratio: float = 2.0
+    store: ObjectStore,
+    n: int,
+    *,
+    live: int | None = None,
+    P: int = 2,
+    tau: int = 1,
+    ratio: float = 2.0,
+    agreement: float = -1.0,
 ) -> list[OuterSync]:
-    """`live` (default n) of n butterfly replicas; all n are in the stage's slots."""
+    """`live` (default n) of n butterfly replicas; all n are in the stage's slots. agreement: the pair's
+    gamma, off by default (`train`'s replicas move independently, so their messages barely agree)."""
     run_id = f"run-{uuid.uuid4().hex[:8]}"
     cfg = PairSettings(
-        replicas=n, alpha=1.0, ratio=ratio, blend="outer", max_abs=1e3, max_norm=1e5, weighted=False
+        replicas=n,
+        alpha=1.0,
+        ratio=ratio,
+        blend="outer",
+        max_abs=1e3,
+        max_norm=1e5,
+        weighted=False,
+        agreement=agreement,
     )
     peers = {r: IDS[r].peer_id for r in range(n)}
     return [
@@ -142,6 +157,46 @@ def test_a_missing_partner_is_skipped_counted_and_its_delta_kept_in_error_feedba
             s.finish()
 
 
+@pytest.mark.parametrize("hostile", [False, True])
+def test_a_partner_whose_update_points_away_is_skipped_at_both_ends(
+    store: ObjectStore, hostile: bool
+) -> None:
+    """The agreement rule (sync.pair_agreement = 0, the run spec's default) in the outer loop: two replicas
+    descend one loss (a shared direction plus their own noise); a sign-flipping replica 1 moves against
+    it. Honest, they exchange; hostile, both ends skip the exchange (counted as `disagreed`), keep their
+    anchors, and each keeps its Delta in error feedback for its next partner."""
+    assert SyncSpec().pair_agreement == 0.0
+    syncs = replicas(store, 2, P=1, tau=0, agreement=0.0)
+    try:
+        before = [[a.clone() for a in s.anchor] for s in syncs]
+        for step in (1, 2):
+            shared = torch.Generator().manual_seed(step)
+            direction = [torch.randn(p.shape, generator=shared) for p in syncs[0].params]
+            for s in syncs:
+                noise = torch.Generator().manual_seed(1000 * s.replica + step)
+                sign = -1.0 if hostile and s.replica == 1 else 1.0
+                with torch.no_grad():
+                    for p, d in zip(s.params, direction, strict=True):
+                        p.add_((sign * d + torch.randn(p.shape, generator=noise)) * 1e-3)
+            for s in syncs:
+                s.capture_due(step)
+            for s in syncs:
+                s.apply_due(step)
+        stats = [s.pairs.stats for s in syncs]  # type: ignore[union-attr]
+        assert [(x.exchanged, x.disagreed) for x in stats] == ([(0, 1)] * 2 if hostile else [(1, 0)] * 2)
+        kept = [
+            all(torch.equal(a, b) for a, b in zip(s.anchor, bs, strict=True))
+            for s, bs in zip(syncs, before, strict=True)
+        ]
+        assert kept == [hostile, hostile]
+        if hostile:
+            for s in syncs:
+                assert sum(float(e.abs().sum()) for e in s.codec.residual(0, 0)) > 0
+    finally:
+        for s in syncs:
+            s.finish()
+
+
 def test_pair_bases_survive_a_checkpoint(store: ObjectStore) -> None:
     syncs = replicas(store, 2, P=1, tau=0)
     try:
@@ -209,8 +264,10 @@ def test_butterfly_needs_two_replicas_and_names_its_settings() -> None:
         SyncSpec(topology="ring")  # type: ignore[arg-type]
     with pytest.raises(ValueError, match="sync.pair_blend"):
         SyncSpec(topology="butterfly", max_late_rounds=0, pair_blend="all")  # type: ignore[arg-type]
+    with pytest.raises(ValueError, match=r"sync.pair_agreement=1.5 must be a finite number in \[-1, 1\]"):
+        SyncSpec(topology="butterfly", max_late_rounds=0, pair_agreement=1.5)
     spec = RunSpec(run_id="b", replicas=3, sync=SyncSpec(topology="butterfly", max_late_rounds=0))
-    assert spec.sync.pair_clip == 1.0 and spec.sync.pair_blend == "outer"
+    assert spec.sync.pair_clip == 1.0 and spec.sync.pair_blend == "outer" and spec.sync.pair_agreement == 0
 
 
 def test_ends_holding_different_bases_both_skip_and_restart_the_pair_from_zero(store: ObjectStore) -> None:

@@ -7,7 +7,7 @@ import pytest
 import torch
 
 from node.sync.aggregation import norm
-from node.sync.pair_mix import anchor_after, pair_result
+from node.sync.pair_mix import Disagreement, anchor_after, pair_result
 from protocol.codecs.sparseloco import SparseLoCoConfig, compress, decompress
 from protocol.pairing import butterfly_stages, exchanges_to_mix, pairs, partner, vouched_base
 
@@ -135,6 +135,48 @@ def test_a_hostile_partner_moves_an_honest_end_by_at_most_the_pair_bound(kind: s
     assert norm([moved[0] - own_only[0]]) <= bound * (1 + 1e-6)
     if kind == "x100":
         assert res.factors[1] < 0.1 and res.factors[0] == 1.0
+
+
+def _honest_pair(seed: int) -> tuple[list[torch.Tensor], list[torch.Tensor], list[torch.Tensor]]:
+    """Two honest ends' messages: pseudo-gradients of one loss (a shared direction plus each end's noise)
+    and anchor differences that carry the same progress since the pair's base."""
+    g = torch.Generator().manual_seed(seed)
+    descent, progress = torch.randn(8, 8, generator=g), torch.randn(8, 8, generator=g)
+    ends = [
+        [
+            (descent + torch.randn(8, 8, generator=g)) * 1e-2,
+            (progress + torch.randn(8, 8, generator=g)) * 1e-3,
+        ]
+        for _ in range(2)
+    ]
+    return [torch.randn(8, 8, generator=g)], ends[0], ends[1]
+
+
+@pytest.mark.parametrize("forged", ["flip", "flip c", "flip z", "flip c, z / 1000"])
+def test_messages_that_point_apart_give_no_pair_result_at_either_end(forged: str) -> None:
+    """The agreement rule: whatever the sign-flip forger scales its message to (the clip's bound holds per
+    exchange, not over rounds), a part pointing away from the other end's stops the exchange at both."""
+    base, honest, other = _honest_pair(5)
+    c, z = other
+    hostile = {
+        "flip": [-c, -z],
+        "flip c": [-c, z],
+        "flip z": [c, -z],
+        "flip c, z / 1000": [-c, z / 1000],
+    }[forged]
+    for a, b in ((2, 6), (6, 2)):
+        res, why = pair_result({a: honest, b: hostile}, base, **BOUNDS, agreement=0.0)
+        assert res is None and [type(r) for r in why] == [Disagreement] * 2
+        assert {r.replica for r in why} == {2, 6} and "point apart" in why[0].reason
+    assert pair_result({2: honest, 6: hostile}, base, **BOUNDS, agreement=-1.0)[0] is not None  # off
+
+
+def test_honest_ends_agree_and_a_part_that_is_zero_passes() -> None:
+    base, a, b = _honest_pair(6)
+    res, why = pair_result({0: a, 1: b}, base, **BOUNDS, agreement=0.0)
+    assert res is not None and why == []
+    still = [b[0], torch.zeros(8, 8)]  # an anchor that has not moved since the base (z = 0) pushes nothing
+    assert pair_result({0: a, 1: still}, base, **BOUNDS, agreement=0.0)[0] is not None
 
 
 def test_a_message_beyond_the_absolute_bounds_gives_no_pair_result() -> None:

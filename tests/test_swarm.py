@@ -888,6 +888,7 @@ def test_butterfly_pairs_mix_four_replicas_and_the_run_exports(
             "unpaired": 0,
             "missing": 0,
             "refused": 0,
+            "disagreed": 0,
             "resynced": 0,
         }
         last, p, sha = m["pair_sha256"]["0.0"].split(":")

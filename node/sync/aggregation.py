@@ -107,7 +107,7 @@ class Aggregate:
     """Values of each used contribution clamped to the round's bound (0 unless clamped)."""
 
 
-def _dot(a: Sequence[torch.Tensor], b: Sequence[torch.Tensor]) -> float:
+def dot(a: Sequence[torch.Tensor], b: Sequence[torch.Tensor]) -> float:
     """<a, b> over all tensors: products in float64, numpy's pairwise sum over fixed blocks (the same
     bits on every host, unlike BLAS)."""
     total = 0.0
@@ -232,11 +232,11 @@ def median_norm_clip(
 
 
 def _gram(ordered: list[tuple[int, Sequence[torch.Tensor]]]) -> dict[tuple[int, int], float]:
-    """G[j, l] = <Delta_j, Delta_l>, each pair once, in float64 (`_dot`)."""
+    """G[j, l] = <Delta_j, Delta_l>, each pair once, in float64 (`dot`)."""
     G: dict[tuple[int, int], float] = {}
     for a, (j, tj) in enumerate(ordered):
         for q, tq in ordered[a:]:
-            G[j, q] = G[q, j] = _dot(tj, tq)
+            G[j, q] = G[q, j] = dot(tj, tq)
     return G
 
 
@@ -525,6 +525,7 @@ __all__ = [
     "agreement_screen",
     "clamp_bound",
     "clamp_to_median_max_abs",
+    "dot",
     "geometric_median_weights",
     "majority_agreement",
     "mean_over_arrivals",

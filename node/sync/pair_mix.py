@@ -13,6 +13,8 @@ it), or the run's initial weights before the pair first met. From the decoded pa
 compute, on the host in float64 in replica order (lower first):
 
     screen    each part finite and within the absolute bounds (max_abs, max_norm); else no pair result
+    agree     cos(c'_i, c'_k) >= gamma and cos(z'_i, z'_k) >= gamma (gamma = sync.pair_agreement; a part
+              that is zero at either end pushes nothing and passes); else no pair result ("disagreed")
     clip      each end's message m' = (c', z') to rho x min(s_i, s_k),  s = ||m'|| + L ||c'||
               (L = ceil(log2 N): an anchor difference holds up to L other pairs' results)
     P       = B + (z'_i + z'_k) / 2 - alpha (w_i c'_i + w_k c'_k) / (w_i + w_k)
@@ -32,6 +34,15 @@ hostile partner h then moves an honest end p's anchor, beyond what p's own parts
 
 per exchange, whatever it sends (x100, a sign flip, float max): its norm is p's own times rho. Mixing only
 averages, so over later exchanges that displacement spreads over the replicas without growing in sum.
+
+The clip bounds one exchange; a forger that pushes the same way at every exchange (a sign flip, every
+round) adds its pushes up. Two honest ends' messages point the same way: both pseudo-gradients descend
+one loss, and both anchor differences carry the same swarm's progress since the pair last met (measured
+with 8 honest replicas: cosines of at least 0.04 for c and 0.08 for z; a flipped message's are negative).
+So the agreement rule: a pair whose parts point apart (cosine below gamma, default 0) gives no result.
+Neither end can tell which of the two is hostile, so both skip, and each end's Delta goes back to its
+error feedback, for its next partner. A hostile partner can then only push an honest end where the
+honest end's own message already points (gamma >= 0), or across it, by at most the clip's bound.
 """
 
 from __future__ import annotations
@@ -42,7 +53,33 @@ from dataclasses import dataclass
 
 import torch
 
-from node.sync.aggregation import Rejection, median_norm_clip, norm, per_coordinate_mean, screen
+from node.sync.aggregation import Rejection, dot, median_norm_clip, norm, per_coordinate_mean, screen
+
+
+@dataclass(frozen=True)
+class Disagreement(Rejection):
+    """The pair's two messages point apart (the agreement rule): a rejection of both ends, not of one."""
+
+
+def cosine(a: Sequence[torch.Tensor], b: Sequence[torch.Tensor]) -> float | None:
+    """cos(a, b) in float64 in a fixed order (the same bits at both ends), None when either is zero."""
+    na, nb = norm(a), norm(b)
+    return dot(a, b) / (na * nb) if na > 0 and nb > 0 else None
+
+
+def disagreement(ok: Mapping[int, Sequence[torch.Tensor]], n: int, agreement: float) -> list[Rejection]:
+    """The agreement rule on the two screened messages (n tensors of c, then n of z): one Disagreement per
+    end if either part's cosine is below `agreement`, else []."""
+    lo, hi = sorted(ok)
+    for part, cut in (("pseudo-gradients", slice(0, n)), ("anchor differences", slice(n, 2 * n))):
+        cos = cosine(ok[lo][cut], ok[hi][cut])
+        if cos is not None and cos < agreement:
+            why = (
+                f"replicas {lo} and {hi}'s {part} point apart (cosine {cos:.3f} < sync.pair_agreement "
+                f"{agreement:g}); neither end can tell which is hostile, so both skip the exchange"
+            )
+            return [Disagreement(lo, why), Disagreement(hi, why)]
+    return []
 
 
 @dataclass(frozen=True)
@@ -104,13 +141,15 @@ def pair_result(
     weights: Mapping[int, float] | None = None,
     per_coordinate: bool = False,
     reach: int = 1,
+    agreement: float = -1.0,
 ) -> tuple[PairResult | None, list[Rejection]]:
     """P from the two ends' decoded messages (replica -> [c tensors..., z tensors...], n of each for the
     fragment's n parameters of `base`'s shapes), or (None, why) when a message fails the screen: the
     exchange is then skipped by both ends. weights: each end's token weight (None: equal).
     per_coordinate: c_bar per coordinate over the ends that sent it (`sync.aggregation =
     "per_coordinate"`: two sparse messages rarely overlap, so a plain mean would halve the outer step).
-    reach: L, the butterfly's stages (the rounds between two meetings of a pair, at most 2 L)."""
+    reach: L, the butterfly's stages (the rounds between two meetings of a pair, at most 2 L).
+    agreement: gamma of the agreement rule (-1: off), Disagreements when it fails."""
     if len(contribs) != 2:
         raise ValueError(f"a pair result needs the two ends' messages, got {sorted(contribs)}")
     n = len(base)
@@ -118,6 +157,9 @@ def pair_result(
     ok, rejected = screen(contribs, shapes, max_abs=max_abs, max_norm=max_norm)
     if rejected:
         return None, rejected
+    disagreed = disagreement(ok, n, agreement)
+    if disagreed:
+        return None, disagreed
     # of two scales the lower median is the smaller. An end's anchor difference holds what it took from
     # other pairs since this pair last met, up to L of them, so its own pseudo-gradient L times over
     # counts in its scale: an end whose anchor has not moved since (a replica with one partner, N = 3 or
@@ -153,4 +195,15 @@ def anchor_after(
     ]
 
 
-__all__ = ["TAG_LEN", "PairResult", "anchor_after", "base_tag", "digest", "pair_result", "tag_bytes"]
+__all__ = [
+    "TAG_LEN",
+    "Disagreement",
+    "PairResult",
+    "anchor_after",
+    "base_tag",
+    "cosine",
+    "digest",
+    "disagreement",
+    "pair_result",
+    "tag_bytes",
+]

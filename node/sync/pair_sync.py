@@ -33,13 +33,13 @@ from dataclasses import dataclass, field
 import torch
 
 from node.sync.exchange import Exchange, Exchanged, FragmentCodec, FragmentId, SyncStats
-from node.sync.pair_mix import TAG_LEN, anchor_after, base_tag, pair_result, tag_bytes
+from node.sync.pair_mix import TAG_LEN, Disagreement, anchor_after, base_tag, pair_result, tag_bytes
 from protocol.pairing import butterfly_stages, partner
 from protocol.runspec import RunSpec
 
 log = logging.getLogger(__name__)
 
-PAIR_OUTCOMES = ("exchanged", "unpaired", "missing", "refused", "clipped", "resynced")
+PAIR_OUTCOMES = ("exchanged", "unpaired", "missing", "refused", "disagreed", "clipped", "resynced")
 """`PairStats`' counters, as /status (`pair_exchanges`), /metrics and the benchmarks name them."""
 MAX_REPORTED = 64
 """`PairStats.last` keeps the newest pair result digest of at most this many (group, fragment)s."""
@@ -67,6 +67,8 @@ class PairSettings:
     """Token weights (`sync.weighting = "tokens"`) in the pair's mean of pseudo-gradients."""
     per_coordinate: bool = True
     """The pair's mean of pseudo-gradients per coordinate (`sync.aggregation = "per_coordinate"`)."""
+    agreement: float = -1.0
+    """gamma of the agreement rule (`sync.pair_agreement`; -1: off)."""
 
 
 def pair_settings(spec: RunSpec) -> PairSettings | None:
@@ -83,6 +85,7 @@ def pair_settings(spec: RunSpec) -> PairSettings | None:
         max_norm=s.max_norm,
         weighted=s.weighting == "tokens",
         per_coordinate=s.aggregation == "per_coordinate",
+        agreement=s.pair_agreement,
     )
 
 
@@ -96,6 +99,8 @@ class PairStats:
     """Exchanges skipped because the partner's message was not in the store by the deadline."""
     refused: int = 0
     """Exchanges skipped because a message failed the pair screen (both ends skip it)."""
+    disagreed: int = 0
+    """Exchanges skipped because the two messages point apart (the agreement rule; both ends skip it)."""
     clipped: int = 0
     """Exchanges in which the pair rule scaled a part of either end."""
     resynced: int = 0
@@ -220,10 +225,16 @@ class PairMixer:
             weights=ex.weights if self.cfg.weighted else None,
             per_coordinate=self.cfg.per_coordinate,
             reach=butterfly_stages(self.cfg.replicas),
+            agreement=self.cfg.agreement,
         )
         if result is None:
             if ours_fresh:
                 self.codec.restore(fid, ex.contribs[me])
+            if rejected and all(isinstance(r, Disagreement) for r in rejected):
+                with self.lock:
+                    self.stats.disagreed += 1
+                log.warning("pair exchange %s skipped: %s", fid, rejected[0].reason)
+                return None
             with self.lock:
                 self.stats.refused += 1
                 self.sync_stats.rejected += len(rejected)

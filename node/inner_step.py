@@ -6,7 +6,9 @@ One inner step of a stage (DESIGN sections 3-4), whatever produces the gradients
     grads   = forward_backward()                  # 1F1B over the pipeline, or a plain loss.backward()
     G_W    <- U U^T G_W                           # project_grads_: subspace-constrained writers only
     clip_grad_norm_(grads, grad_clip)
-    AdamW(betas=(0.9, 0.95)).step()               # fused kernel on CUDA
+    AdamW(betas=(0.9, 0.95)).step()               # fused kernel on CUDA; or, under train.optimizer =
+                                                  # "muon", Muon for the blocks' 2-D matrices (at
+                                                  # train.muon_lr) and AdamW for the rest, one step
     W      <- U U^T W                             # project_weights_: AdamW's scaling leaves span(U)
 
 `prepare_stage` puts a freshly built (and constrained) stage where it trains: on its device, in its
@@ -32,29 +34,83 @@ ADAMW_BETAS = (0.9, 0.95)
 R = TypeVar("R")
 
 
-def lr_at(step: int, train: TrainSpec) -> float:
-    """Linear warm-up over `warmup_steps`, then cosine decay to 10% of the peak at `total_steps`."""
+def lr_at(step: int, train: TrainSpec, peak: float | None = None) -> float:
+    """Linear warm-up over `warmup_steps`, then cosine decay to 10% of the peak (train.lr unless given)
+    at `total_steps`."""
+    peak = train.lr if peak is None else peak
     if step < train.warmup_steps:
-        return train.lr * (step + 1) / train.warmup_steps
+        return peak * (step + 1) / train.warmup_steps
     progress = (step - train.warmup_steps) / max(1, train.total_steps - train.warmup_steps)
-    return train.lr * (0.1 + 0.45 * (1 + math.cos(math.pi * min(1.0, progress))))
+    return peak * (0.1 + 0.45 * (1 + math.cos(math.pi * min(1.0, progress))))
 
 
-def make_optimizer(module: torch.nn.Module, train: TrainSpec) -> torch.optim.AdamW:
-    """AdamW with the run's lr and weight decay; fp32 state next to the parameters (fused on CUDA)."""
-    params = list(module.parameters())
-    fused = bool(params) and params[0].device.type == "cuda"
-    return torch.optim.AdamW(
-        params, lr=train.lr, betas=ADAMW_BETAS, weight_decay=train.weight_decay, fused=fused or None
-    )
+def is_muon_matrix(name: str, p: torch.Tensor) -> bool:
+    """A hidden 2-D matrix of a transformer block (attention and MLP weights), which Muon orthogonalizes;
+    the embedding, the head, norms and biases stay with AdamW (the usual split)."""
+    return name.startswith("layers.") and p.ndim == 2
 
 
-def optimizer_tensors(module: torch.nn.Module, opt: torch.optim.Optimizer) -> dict[str, torch.Tensor]:
-    """The optimizer's per-parameter state by parameter name ("optim.<param>.<exp_avg|exp_avg_sq|step>"),
-    for checkpoints; hyperparameters are the run spec's and the schedule's, not saved."""
+class InnerOptimizer:
+    """The inner optimizer as one object: one torch optimizer (AdamW), or Muon for the blocks' 2-D
+    matrices with AdamW for the rest (`train.optimizer = "muon"`), zeroed, stepped and checkpointed
+    together. Each param group keeps its own peak lr ("peak_lr"), which `inner_step` schedules."""
+
+    def __init__(self, *parts: torch.optim.Optimizer) -> None:
+        self.parts = parts
+
+    @property
+    def param_groups(self) -> list[dict]:
+        return [g for part in self.parts for g in part.param_groups]
+
+    @property
+    def state(self) -> dict[torch.Tensor, dict]:
+        return {p: st for part in self.parts for p, st in part.state.items()}
+
+    def zero_grad(self, set_to_none: bool = True) -> None:
+        for part in self.parts:
+            part.zero_grad(set_to_none=set_to_none)
+
+    def step(self) -> None:
+        for part in self.parts:
+            part.step()
+
+
+def make_optimizer(module: torch.nn.Module, train: TrainSpec) -> InnerOptimizer:
+    """The run's inner optimizer (`train.optimizer`): AdamW at train.lr with the run's weight decay, fp32
+    state next to the parameters (fused on CUDA); under "muon", torch.optim.Muon at train.muon_lr for the
+    blocks' 2-D matrices (`is_muon_matrix`) and that AdamW for the rest."""
+    named = list(module.named_parameters())
+    muon = [p for n, p in named if train.optimizer == "muon" and is_muon_matrix(n, p)]
+    taken = {id(p) for p in muon}
+    rest = [p for _, p in named if id(p) not in taken]
+    fused = bool(named) and named[0][1].device.type == "cuda"
+    parts: list[torch.optim.Optimizer] = []
+    if muon:
+        parts.append(
+            torch.optim.Muon(
+                muon, lr=train.muon_lr, weight_decay=train.weight_decay, momentum=train.muon_momentum
+            )
+        )
+    if rest or not muon:
+        parts.append(
+            torch.optim.AdamW(
+                rest, lr=train.lr, betas=ADAMW_BETAS, weight_decay=train.weight_decay, fused=fused or None
+            )
+        )
+    for part in parts:
+        for g in part.param_groups:
+            g["peak_lr"] = g["lr"]
+    return InnerOptimizer(*parts)
+
+
+def optimizer_tensors(module: torch.nn.Module, opt: InnerOptimizer) -> dict[str, torch.Tensor]:
+    """The optimizer's per-parameter state by parameter name ("optim.<param>.<exp_avg|exp_avg_sq|step>",
+    or "optim.<param>.momentum_buffer" for Muon's), for checkpoints; hyperparameters are the run spec's
+    and the schedule's, not saved."""
     out = {}
+    state = opt.state
     for name, p in module.named_parameters():
-        for k, v in opt.state.get(p, {}).items():
+        for k, v in state.get(p, {}).items():
             if isinstance(v, torch.Tensor):
                 out[f"optim.{name}.{k}"] = v
             else:  # some torch versions keep `step` as a float
@@ -63,25 +119,22 @@ def optimizer_tensors(module: torch.nn.Module, opt: torch.optim.Optimizer) -> di
 
 
 def load_optimizer_tensors(
-    module: torch.nn.Module, opt: torch.optim.Optimizer, tensors: dict[str, torch.Tensor]
+    module: torch.nn.Module, opt: InnerOptimizer, tensors: dict[str, torch.Tensor]
 ) -> None:
     """Restore `optimizer_tensors()` (the parameters are already where they train); a parameter without
     saved state (none was taken before the checkpoint) keeps none."""
-    sd = opt.state_dict()
-    index = {}  # parameter -> its index in the optimizer's state dict
-    i = 0
-    for group in opt.param_groups:
-        for p in group["params"]:
-            index[p] = i
-            i += 1
-    state: dict[int, dict[str, torch.Tensor]] = {}
-    for name, p in module.named_parameters():
-        prefix = f"optim.{name}."
-        got = {k[len(prefix) :]: v for k, v in tensors.items() if k.startswith(prefix)}
-        if got:
-            state[index[p]] = got
-    sd["state"] = state
-    opt.load_state_dict(sd)  # torch casts the moments to each parameter's device and dtype
+    names = {p: name for name, p in module.named_parameters()}
+    for part in opt.parts:
+        sd = part.state_dict()
+        state: dict[int, dict[str, torch.Tensor]] = {}
+        params = [p for group in part.param_groups for p in group["params"]]
+        for i, p in enumerate(params):  # i: the parameter's index in the part's state dict
+            prefix = f"optim.{names[p]}."
+            got = {k[len(prefix) :]: v for k, v in tensors.items() if k.startswith(prefix)}
+            if got:
+                state[i] = got
+        sd["state"] = state
+        part.load_state_dict(sd)  # torch casts the moments to each parameter's device and dtype
 
 
 def prepare_stage(
@@ -98,14 +151,14 @@ def prepare_stage(
 
 def inner_step(
     module: Stage,
-    opt: torch.optim.Optimizer,
+    opt: InnerOptimizer,
     train: TrainSpec,
     step: int,
     forward_backward: Callable[[], R],
 ) -> R:
     """One inner step (module docstring); returns what `forward_backward` returned (loss, StepStats)."""
     for g in opt.param_groups:
-        g["lr"] = lr_at(step, train)
+        g["lr"] = lr_at(step, train, g["peak_lr"])
     opt.zero_grad(set_to_none=True)
     out = forward_backward()
     project_grads_(module)
@@ -116,4 +169,12 @@ def inner_step(
     return out
 
 
-__all__ = ["ADAMW_BETAS", "inner_step", "lr_at", "make_optimizer", "prepare_stage"]
+__all__ = [
+    "ADAMW_BETAS",
+    "InnerOptimizer",
+    "inner_step",
+    "is_muon_matrix",
+    "lr_at",
+    "make_optimizer",
+    "prepare_stage",
+]

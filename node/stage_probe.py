@@ -33,7 +33,7 @@ from dataclasses import dataclass
 import torch
 
 from node.device import resolve_precision
-from node.inner_step import inner_step, make_optimizer, prepare_stage
+from node.inner_step import InnerOptimizer, inner_step, make_optimizer, prepare_stage
 from node.model import Stage, build_stage, lm_loss
 from node.subspace_model import boundary_codecs, constrain_stage
 from protocol.codecs.subspace import SubspaceBoundary
@@ -50,7 +50,7 @@ class StageBench:
     module: Stage
     codec_in: SubspaceBoundary | None
     codec_out: SubspaceBoundary | None
-    opt: torch.optim.Optimizer
+    opt: InnerOptimizer
     tokens: list[torch.Tensor]
     """(b, L+1) token ids per microbatch."""
     fwd_msgs: list[bytes]

@@ -20,6 +20,7 @@ import torch
 from node.data.corpus import Corpus, DataSource
 from node.device import describe, resolve_precision
 from node.inner_step import (
+    InnerOptimizer,
     inner_step,
     load_optimizer_tensors,
     make_optimizer,
@@ -168,7 +169,7 @@ class _Setup:
     """What `StageWorker._build` sets up for the loop."""
 
     module: Stage
-    opt: torch.optim.Optimizer
+    opt: InnerOptimizer
     sync: OuterSync
     pipe: PipelineStage
     corpus: Corpus | None
@@ -393,7 +394,7 @@ class StageWorker:
             raise
         return _Setup(module=module, opt=opt, sync=sync, pipe=pipe, corpus=corpus, val=val, start=start)
 
-    def _outer_sync(self, module: Stage, opt: torch.optim.Optimizer) -> OuterSync:
+    def _outer_sync(self, module: Stage, opt: InnerOptimizer) -> OuterSync:
         """The stage's round owner, with the codec, aggregation and schedule the run's [sync] selects."""
         a, spec = self.a, self.spec
         parts = make_sync_parts(spec, self.identity)

@@ -101,6 +101,14 @@ class TrainSpec:
     """Microbatches per step M; batch_size must be divisible by it."""
     lr: float = 3e-3
     """Inner AdamW peak learning rate."""
+    optimizer: Literal["adamw", "muon"] = "adamw"
+    """Inner optimizer: "adamw"; "muon" = torch.optim.Muon (Newton-Schulz orthogonalized momentum) for
+    the blocks' 2-D matrices (attention and MLP weights), AdamW at `lr` for the embedding, head and norms."""
+    muon_lr: float = 0.02
+    """Muon's peak learning rate (the same warm-up and cosine decay as `lr`); torch's Muon scales it by
+    sqrt(max(1, rows / cols)) per matrix."""
+    muon_momentum: float = 0.95
+    """Muon's momentum (Nesterov)."""
     warmup_steps: int = 30
     """Linear warm-up steps of the inner learning rate."""
     weight_decay: float = 0.0
@@ -141,6 +149,10 @@ class TrainSpec:
         check_range("train.lr", self.lr, 1e-12, 1e3)
         check_range("train.warmup_steps", self.warmup_steps, 0, MAX_STEPS)
         check_range("train.weight_decay", self.weight_decay, 0, 1e3)
+        if self.optimizer not in ("adamw", "muon"):
+            raise ValueError(f"train.optimizer={describe(self.optimizer)} must be 'adamw' or 'muon'")
+        check_range("train.muon_lr", self.muon_lr, 1e-12, 1e3)
+        check_range("train.muon_momentum", self.muon_momentum, 0.0, 0.9999)
         check_range("train.grad_clip", self.grad_clip, 0, None)
         check_range("train.data_seed", self.data_seed, 0, MAX_SEED)
         check_range("train.eval_batches", self.eval_batches, 0, 1 << 20)

@@ -69,7 +69,7 @@ import torch
 
 from node.data.corpus import Corpus
 from node.device import resolve_precision
-from node.inner_step import inner_step, make_optimizer, prepare_stage
+from node.inner_step import InnerOptimizer, inner_step, make_optimizer, prepare_stage
 from node.model import Stage, build_stage
 from node.pipeline.schedule import PipelineStage, StepStats
 from node.pipeline.transport import Link, LinkError, Shaper, connect, listen
@@ -124,7 +124,7 @@ class RunConfig:
 class Node:
     module: Stage
     pipe: PipelineStage
-    opt: torch.optim.Optimizer
+    opt: InnerOptimizer
     train: TrainSpec
 
 

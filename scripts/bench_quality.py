@@ -32,6 +32,9 @@ replica r draws batch (data_seed, r, step) in every arm, so every method sees th
                 and its anchor's difference from the pair's base in one fragment; no consensus, so the
                 figure is replica 0's anchor (`val_bpb`), with every replica's own (`butterfly_val_bpb`)
                 and the spread of the anchors beside it. Compare with `sparseloco` at the same tokens.
+- muon:         SparseLoCo with train.optimizer = "muon" (issue 24): torch.optim.Muon at --muon-lr for the
+                blocks' 2-D matrices, AdamW at --lr for the embedding, head and norms, in every replica's
+                inner step; `sparseloco` is the AdamW-inner baseline at the same tokens.
 - stream_tau1/2: SparseLoCo with P strided fragments captured at c_f = (f+1) floor(H/P) and applied
                 tau = 1 or 2 inner steps later, keeping the local drift (arXiv 2501.18512). The run spec
                 needs tau < floor(H/P) (a cycle's fragments all applied before the next cycle's first
@@ -73,7 +76,7 @@ import torch
 
 from node.data.corpus import Corpus
 from node.device import resolve_precision
-from node.inner_step import inner_step, make_optimizer, prepare_stage
+from node.inner_step import InnerOptimizer, inner_step, make_optimizer, prepare_stage
 from node.model import Stage, build_full_model, lm_loss
 from node.sync.aggregation import norm
 from node.sync.outer_sync import Contribution, Encoding, FragmentCodec, FragmentId, OuterSync
@@ -99,7 +102,10 @@ ARMS = (
     "mixed_tokens",
     "mixed_equal",
     "butterfly",
+    "muon",
 )
+NEWER_ARMS = ("butterfly", "muon")
+"""Arms a plain run leaves out (as it does the late and mixed ones): ask for them with --arms."""
 LATE_ARMS = {"late_commit": 1, "late_drop": 0}
 """The late arms and their sync.max_late_rounds: the last replica's fragment of every other round reaches
 the store after that round's deadline; committed in the next round's set, or dropped (error feedback)."""
@@ -366,13 +372,14 @@ class LateCodec:
 CPU = torch.device("cpu")
 
 
-def new_model(s: Setup) -> tuple[Stage, torch.optim.Optimizer]:
+def new_model(s: Setup, train: TrainSpec | None = None) -> tuple[Stage, InnerOptimizer]:
+    """A replica's model and inner optimizer (`train`: an arm's own train settings, default s.train)."""
     model = build_full_model(s.model)  # deterministic init from model.init_seed: every replica the same
     prepare_stage(model, CPU, resolve_precision(s.train.precision, CPU))
-    return model, make_optimizer(model, s.train)
+    return model, make_optimizer(model, train or s.train)
 
 
-def train_on(model: Stage, opt: torch.optim.Optimizer, s: Setup, step: int, tokens: torch.Tensor) -> float:
+def train_on(model: Stage, opt: InnerOptimizer, s: Setup, step: int, tokens: torch.Tensor) -> float:
     """The worker's inner step (node/inner_step.py) on tokens (b, L+1); returns the training loss."""
 
     def forward_backward() -> float:
@@ -419,7 +426,7 @@ def arm_spec(name: str, sync: SyncSpec, s: Setup) -> RunSpec:
         replicas=s.replicas,
         stages=1,
         model=s.model,
-        train=s.train,
+        train=replace(s.train, optimizer="muon") if name == "muon" else s.train,
         sync=sync,
         shapes=[ReplicaShape(replicas=doubled, microbatches=2 * s.train.microbatches)]
         if name in MIXED_ARMS and doubled
@@ -448,7 +455,7 @@ def run_outer(
     if attack is not None and attack.kind in COLLUDING:
         board = HonestBoard(set(range(s.replicas)) - hostile, attack)
     for r in range(s.replicas):
-        model, opt = new_model(s)
+        model, opt = new_model(s, spec.train)
         parts = make_sync_parts(spec, ids[r])  # the swarm's codec, aggregation and outer momentum
         codec = parts.codec
         if attack is not None:
@@ -611,8 +618,10 @@ def parser() -> argparse.ArgumentParser:
     )
     ap.add_argument(
         "--arms",
-        default=",".join(a for a in ARMS if a not in LATE_ARMS and a not in MIXED_ARMS and a != "butterfly"),
-        help=f"comma-separated subset of {','.join(ARMS)} (default: all but the late, mixed and butterfly arms)",
+        default=",".join(
+            a for a in ARMS if a not in LATE_ARMS and a not in MIXED_ARMS and a not in NEWER_ARMS
+        ),
+        help=f"comma-separated subset of {','.join(ARMS)} (default: all but the late, mixed, butterfly and muon arms)",
     )
     ap.add_argument("--replicas", type=int, default=4, help="R simulated replicas (default 4)")
     ap.add_argument("--steps", type=int, default=1000, help="inner steps per replica (default 1000)")
@@ -635,6 +644,9 @@ def parser() -> argparse.ArgumentParser:
         choices=["outer", "half"],
         default=SyncSpec.pair_blend,
         help=f"the butterfly arm's sync.pair_blend (default {SyncSpec.pair_blend})",
+    )
+    ap.add_argument(
+        "--muon-lr", type=float, default=TrainSpec.muon_lr, help="the muon arm's train.muon_lr (its peak)"
     )
     ap.add_argument("--butterfly-alpha", type=float, help="the butterfly arm's outer lr (default: --alpha)")
     ap.add_argument("--butterfly-k", type=int, help="the butterfly arm's top-k per chunk (default: --k)")
@@ -749,7 +761,7 @@ def arm_sync(name: str, args: argparse.Namespace) -> SyncSpec:
     tau = STREAM_TAU.get(name, 0)
     P = (
         1
-        if name in ("sparseloco", "butterfly") or name in LATE_ARMS or name in MIXED_ARMS
+        if name in ("sparseloco", "butterfly", "muon") or name in LATE_ARMS or name in MIXED_ARMS
         else stream_P(args.H, tau)
         if args.P is None
         else args.P
@@ -833,6 +845,7 @@ def plan(argv: list[str] | None = None) -> Plan:
             weight_decay=0.0,
             grad_clip=args.grad_clip,
             data_seed=args.data_seed,
+            muon_lr=args.muon_lr,
         )
     except ValueError as e:
         ap.error(f"--steps/--batch: {e}")
@@ -978,6 +991,7 @@ def main(argv: list[str] | None = None) -> int:
         "pair_blend": args.pair_blend,
         "pair_clip": args.pair_clip,
         "pair_agreement": args.pair_agreement,
+        "muon_lr": args.muon_lr,
         "kill": None if p.kill is None else {"replica": p.kill[0], "after_rounds": p.kill[1]},
         "timeout_s": args.timeout_s,
         "diloco_alpha": args.diloco_alpha,
@@ -1006,6 +1020,7 @@ def main(argv: list[str] | None = None) -> int:
         "bytes_up_per_round": {r.name: round(r.bytes_up_per_round) for r in results if r.sync},
         "bytes_down_per_round": {r.name: round(r.bytes_down_per_round) for r in results if r.sync},
         "gap_butterfly_vs_sparseloco": gap("butterfly", "sparseloco"),
+        "gap_muon_vs_sparseloco": gap("muon", "sparseloco"),
         "butterfly_val_bpb": [round(x, 5) for x in by["butterfly"].replica_bpb]
         if "butterfly" in by
         else None,

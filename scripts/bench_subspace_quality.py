@@ -26,7 +26,7 @@ import torch
 
 from node.data.corpus import Corpus
 from node.device import resolve_precision
-from node.inner_step import inner_step, lr_at, make_optimizer, prepare_stage
+from node.inner_step import InnerOptimizer, inner_step, lr_at, make_optimizer, prepare_stage
 from node.model import Stage, build_stage, lm_loss
 from node.subspace_model import boundary_codecs, constrain_stage, off_subspace
 from protocol.codecs.subspace import SubspaceBoundary
@@ -40,7 +40,7 @@ class Arm:
     name: str
     stages: list[Stage]
     codecs: list[tuple[SubspaceBoundary | None, SubspaceBoundary | None]]
-    opts: list[torch.optim.Optimizer]
+    opts: list[InnerOptimizer]
     wire_fwd: int = 0
     wire_bwd: int = 0
     train_s: float = 0.0
@@ -54,7 +54,7 @@ def build_arm(
         constrain_stage(stage, spec, pspec, ranges, s)  # no-op for the dense arm
         prepare_stage(stage, CPU, resolve_precision(train.precision, CPU))
     codecs = [boundary_codecs(stage, spec, pspec, ranges, s) for s, stage in enumerate(stages)]
-    opts: list[torch.optim.Optimizer] = [make_optimizer(st, train) for st in stages]
+    opts: list[InnerOptimizer] = [make_optimizer(st, train) for st in stages]
     return Arm(name, stages, codecs, opts)
 
 

@@ -344,15 +344,21 @@ def test_metrics_dashboard_and_bad_requests(swarm: Swarm, tmp_path: Path) -> Non
 def test_two_runs_at_once_share_the_swarm_and_nothing_else(swarm: Swarm, tmp_path: Path) -> None:
     """Issue 13 acceptance 5: two runs launched at once (1 replica x 2 stages each) on the 4 nodes both
     complete, each on its own two nodes; everything each wrote to the store is under its own prefix, and
-    its DHT records (run record subkey, its nodes' assignments) name only itself."""
+    its DHT records (run record subkey, its nodes' assignments) name only itself. swarm-q's inner
+    optimizer is Muon (issue 24: train.optimizer = "muon"): it learns, and its checkpoints hold Muon's
+    momentum next to AdamW's moments."""
     runs, steps = ("swarm-p", "swarm-q"), 60  # a few seconds each: the two train at the same time
     tomls = []
     for rid in runs:
         toml = tmp_path / f"{rid}.toml"
-        toml.write_text(
-            RUN_TOML.format(run_id=rid, steps=steps, H=30, timeout=60).replace("replicas = 2", "replicas = 1")
+        text = RUN_TOML.format(run_id=rid, steps=steps, H=30, timeout=60).replace(
+            "replicas = 2", "replicas = 1"
         )
+        if rid == "swarm-q":
+            text = text.replace("[train]\n", '[train]\noptimizer = "muon"\nmuon_lr = 0.02\n')
         tomls.append(toml)
+        toml.write_text(text)
+    assert load_run_spec(tomls[1]).train.optimizer == "muon"
     swarm.launch(*tomls)
 
     def both_done() -> dict[str, list[dict]] | None:
@@ -381,6 +387,11 @@ def test_two_runs_at_once_share_the_swarm_and_nothing_else(swarm: Swarm, tmp_pat
     assert not [
         k for k in store.list("swarm-") if not k.startswith(("swarm-a/", "swarm-m/", "swarm-p/", "swarm-q/"))
     ]
+    signers = {Identity.load_or_create(k).public_key for k in swarm.out.glob("node*.key")}
+    for st in (0, 1):
+        ck = read_round(store, run_id="swarm-q", stage=st, replica=0, round=steps // 30, trusted=signers)
+        assert any(k.endswith(".momentum_buffer") for k in ck.tensors), sorted(ck.tensors)[:8]
+        assert any(k.endswith(".exp_avg_sq") for k in ck.tensors)
 
 
 def _slots(swarm: Swarm, run_id: str) -> dict[tuple[int, int], int]:

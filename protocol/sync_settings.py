@@ -123,9 +123,17 @@ class CodecSettings:
     """SparseLoCo: error-feedback decay, e = beta * e + Delta before each compression. 0.95 is the paper's
     (thousands of rounds); runs of tens to hundreds of rounds train better with 0.6-0.8 (the local swarm
     and docs/examples/run.toml use 0.7; docs/benchmarks.md)."""
+    stochastic_rounding: bool = False
+    """SparseLoCo: code each kept value between the two Lloyd levels around it, with the probability that
+    makes it unbiased, instead of to the nearest (draws from a counter-based generator keyed by run,
+    stage, fragment, round and replica: every encoder, host or device, writes the same bytes)."""
 
     def __post_init__(self) -> None:
         check_finite(self)
+        if not isinstance(self.stochastic_rounding, bool):
+            raise ValueError(
+                f"sync.stochastic_rounding={describe(self.stochastic_rounding)} must be true or false"
+            )
         t = math.isqrt(max(self.chunk, 0))
         if not 1 <= self.chunk <= 65536 or t * t != self.chunk:
             raise ValueError(

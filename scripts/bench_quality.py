@@ -35,6 +35,9 @@ replica r draws batch (data_seed, r, step) in every arm, so every method sees th
 - muon:         SparseLoCo with train.optimizer = "muon" (issue 24): torch.optim.Muon at --muon-lr for the
                 blocks' 2-D matrices, AdamW at --lr for the embedding, head and norms, in every replica's
                 inner step; `sparseloco` is the AdamW-inner baseline at the same tokens.
+- stochastic:   SparseLoCo with sync.stochastic_rounding = true (issue 24): each kept value coded between
+                the two Lloyd levels around it, unbiased, instead of to the nearest; `sparseloco` is the
+                nearest-rounding baseline at the same tokens.
 - stream_tau1/2: SparseLoCo with P strided fragments captured at c_f = (f+1) floor(H/P) and applied
                 tau = 1 or 2 inner steps later, keeping the local drift (arXiv 2501.18512). The run spec
                 needs tau < floor(H/P) (a cycle's fragments all applied before the next cycle's first
@@ -103,8 +106,9 @@ ARMS = (
     "mixed_equal",
     "butterfly",
     "muon",
+    "stochastic",
 )
-NEWER_ARMS = ("butterfly", "muon")
+NEWER_ARMS = ("butterfly", "muon", "stochastic")
 """Arms a plain run leaves out (as it does the late and mixed ones): ask for them with --arms."""
 LATE_ARMS = {"late_commit": 1, "late_drop": 0}
 """The late arms and their sync.max_late_rounds: the last replica's fragment of every other round reaches
@@ -621,7 +625,7 @@ def parser() -> argparse.ArgumentParser:
         default=",".join(
             a for a in ARMS if a not in LATE_ARMS and a not in MIXED_ARMS and a not in NEWER_ARMS
         ),
-        help=f"comma-separated subset of {','.join(ARMS)} (default: all but the late, mixed, butterfly and muon arms)",
+        help=f"comma-separated subset of {','.join(ARMS)} (default: all but the late, mixed, butterfly, muon and stochastic arms)",
     )
     ap.add_argument("--replicas", type=int, default=4, help="R simulated replicas (default 4)")
     ap.add_argument("--steps", type=int, default=1000, help="inner steps per replica (default 1000)")
@@ -738,6 +742,8 @@ def arm_sync(name: str, args: argparse.Namespace) -> SyncSpec:
     alpha, k = args.alpha, args.k
     if args.timeout_s is not None and name not in LATE_ARMS:
         late["timeout_s"] = args.timeout_s
+    if name == "stochastic":
+        late["stochastic_rounding"] = True
     if name == "butterfly":
         late.update(
             topology="butterfly",
@@ -761,7 +767,9 @@ def arm_sync(name: str, args: argparse.Namespace) -> SyncSpec:
     tau = STREAM_TAU.get(name, 0)
     P = (
         1
-        if name in ("sparseloco", "butterfly", "muon") or name in LATE_ARMS or name in MIXED_ARMS
+        if name in ("sparseloco", "butterfly", "muon", "stochastic")
+        or name in LATE_ARMS
+        or name in MIXED_ARMS
         else stream_P(args.H, tau)
         if args.P is None
         else args.P
@@ -1021,6 +1029,7 @@ def main(argv: list[str] | None = None) -> int:
         "bytes_down_per_round": {r.name: round(r.bytes_down_per_round) for r in results if r.sync},
         "gap_butterfly_vs_sparseloco": gap("butterfly", "sparseloco"),
         "gap_muon_vs_sparseloco": gap("muon", "sparseloco"),
+        "gap_stochastic_vs_sparseloco": gap("stochastic", "sparseloco"),
         "butterfly_val_bpb": [round(x, 5) for x in by["butterfly"].replica_bpb]
         if "butterfly" in by
         else None,

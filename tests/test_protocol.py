@@ -95,7 +95,7 @@ def test_run_toml_errors_name_file_and_field(tmp_path) -> None:
 
 SYNC_KEYS = (
     "method H alpha outer_momentum P tau checkpoint_every timeout_s quorum max_late_rounds topology pair_blend pair_clip pair_agreement "
-    "k chunk beta aggregation robust "
+    "k chunk beta stochastic_rounding aggregation robust "
     "max_norm_ratio max_abs_ratio min_agreement trim max_abs max_norm weighting"
 ).split()
 
@@ -110,8 +110,9 @@ def test_the_sync_section_is_flat_and_builds_its_components() -> None:
     # 5475778bf32e4af7 before issue 22 added sync.max_late_rounds (late fragments committed, default 1);
     # 52e6137c9ce0015d before it added sync.weighting (contributions weighed by their tokens, default)
     # d2879fb4cf2a15ce before issue 23 added sync.topology, pair_blend and pair_clip (butterfly mixing);
-    # 338aa6dcbd1ad7e7 before it added sync.pair_agreement (the pair's agreement rule)
-    assert hashlib.sha256(encoded).hexdigest()[:16] == "c429f309c1ed2a24"
+    # 338aa6dcbd1ad7e7 before it added sync.pair_agreement (the pair's agreement rule);
+    # c429f309c1ed2a24 before issue 24 added sync.stochastic_rounding
+    assert hashlib.sha256(encoded).hexdigest()[:16] == "5dce2a66bb535c27"
     s = SyncSpec(
         H=12, P=3, tau=2, k=16, chunk=256, beta=0.7, aggregation="mean", robust="clip_median", max_abs=5.0
     )

@@ -21,6 +21,7 @@ from protocol.codecs.sparseloco import (
     compress,
     decompress,
     error_feedback_step,
+    rounding_key,
 )
 from protocol.codecs.sparseloco_device import compress_device, decompress_to, error_feedback_step_device
 from protocol.codecs.sparseloco_format import FragmentError, FragmentHeader, decode_fragment, encode_fragment
@@ -347,3 +348,68 @@ def test_codec_imports_without_cryptography_or_node_dependencies() -> None:
         [sys.executable, "-c", code], cwd=root, capture_output=True, text=True, timeout=120, check=False
     )
     assert p.returncode == 0 and p.stdout.strip() == "ok", p.stderr[-2000:]
+
+
+# ---- stochastic rounding (sync.stochastic_rounding) ------------------------------------------------------
+
+
+@pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize("value_bits", [2, 3])
+def test_stochastic_rounding_is_the_references_on_the_device(device: str, value_bits: int) -> None:
+    """Same key, same draws, same entries: the device path codes what the reference codes (but for the
+    quantizer's rare last bits, as deterministic rounding), and both decode their Lloyd centers."""
+    cfg = SparseLoCoConfig(chunk=64, k=5, value_bits=value_bits)
+    key = rounding_key("run-test", 1, 2, 7, 3)
+    for seed, ties in [(0, True), (1, False)]:
+        xs = _tensors(SHAPES, seed, ties)
+        ref = compress(xs, cfg, key)
+        dev = compress_device([x.to(device) for x in xs], cfg, key)
+        _assert_same_selection(ref, dev)
+        _assert_close_values(ref, dev)
+        L = 1 << (value_bits - 1)
+        assert np.array_equal(ref.table[:, :L], -ref.table[:, L:])  # centers, both signs: not bin means
+    again = compress(_tensors(SHAPES, 0, True), cfg, key)
+    assert np.array_equal(again.codes, compress(_tensors(SHAPES, 0, True), cfg, key).codes)
+
+
+def test_stochastic_rounding_is_unbiased_between_the_outer_levels() -> None:
+    """Over many keys the decoded kept values average to the values themselves (between the lowest and the
+    highest level), where nearest rounding keeps its bias; error feedback holds the rest, exactly."""
+    cfg = SparseLoCoConfig(chunk=256, k=32)
+    x = [torch.randn(64, 64, generator=torch.Generator().manual_seed(3))]
+    det = compress(x, cfg)
+    rows = torch.from_numpy(decompress(det)[0].view(-1).nonzero()[:, 0].numpy())
+    kept = x[0].view(-1)[rows].double()
+    got = torch.stack(
+        [
+            decompress(compress(x, cfg, rounding_key("r", 0, 0, n, 0)))[0].view(-1)[rows].double()
+            for n in range(400)
+        ]
+    )
+    inner = got.min(0).values < got.max(0).values  # coded as either level around it: between the outer two
+    assert inner.float().mean() > 0.5
+    scale = float(kept.abs().mean())
+    bias_sr = float((got.mean(0) - kept)[inner].abs().mean()) / scale
+    bias_det = float((decompress(det)[0].view(-1)[rows].double() - kept)[inner].abs().mean()) / scale
+    assert bias_sr < 0.3 * bias_det, (bias_sr, bias_det)
+    e = [torch.zeros(64, 64)]
+    cf, e_new = error_feedback_step(e, x, cfg, rounding_key("r", 0, 0, 1, 0))
+    assert torch.allclose(e_new[0] + decompress(cf)[0], x[0], atol=1e-6)
+
+
+def test_the_codec_rounds_stochastically_when_the_run_spec_says_so() -> None:
+    from node.sync.outer_sync import FragmentId
+    from node.sync.sparseloco_sync import SparseLoCoCodec, make_sync_parts
+    from protocol.runspec import RunSpec, SyncSpec
+
+    spec = RunSpec(run_id="sr", sync=SyncSpec(stochastic_rounding=True))
+    codec = make_sync_parts(spec, ALICE).codec
+    assert isinstance(codec, SparseLoCoCodec) and codec.stochastic
+    fid = FragmentId(run_id="sr", stage=0, fragment=0, round=4, replica=1)
+    delta = _tensors([(100, 70)], 5, ties=False)
+    a, _ = SparseLoCoCodec(ALICE, codec.cfg, stochastic=True).encode(fid, delta, 64)()
+    b, _ = SparseLoCoCodec(ALICE, codec.cfg, stochastic=True).encode(fid, delta, 64)()
+    c, _ = SparseLoCoCodec(ALICE, codec.cfg).encode(fid, delta, 64)()
+    assert a == b and a != c  # the same bytes from the same fragment identity; not nearest rounding's
+    with pytest.raises(ValueError, match="sync.stochastic_rounding"):
+        SyncSpec(stochastic_rounding="yes")  # type: ignore[arg-type]

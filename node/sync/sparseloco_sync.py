@@ -28,7 +28,7 @@ from node.sync.aggregation import Weights, aggregate
 from node.sync.dense_sync import DenseCodec
 from node.sync.exchange import Contribution, TokensBound, check_tokens
 from node.sync.outer_sync import Aggregator, Encoding, FragmentCodec, FragmentId
-from protocol.codecs.sparseloco import SparseLoCoConfig, decompress, error_feedback_step
+from protocol.codecs.sparseloco import SparseLoCoConfig, decompress, error_feedback_step, rounding_key
 from protocol.codecs.sparseloco_format import (
     MAX_FRAGMENT_BYTES,
     FragmentError,
@@ -64,11 +64,14 @@ class SparseLoCoCodec(FragmentCodec):
         *,
         device_path: bool | None = None,
         tokens_bound: TokensBound | None = None,
+        stochastic: bool = False,
     ) -> None:
         """device_path: True = the torch path wherever the tensors are, False = the numpy reference on the
         host, None = the torch path for CUDA tensors and the reference for CPU ones. tokens_bound: the most
-        tokens a fragment may claim (`RunSpec.fragment_tokens`; None: any the format holds)."""
+        tokens a fragment may claim (`RunSpec.fragment_tokens`; None: any the format holds). stochastic:
+        stochastic rounding of the 2-bit values (`sync.stochastic_rounding`), keyed per fragment."""
         self.identity, self.cfg, self.device_path = identity, cfg, device_path
+        self.stochastic = stochastic
         self.tokens_bound = tokens_bound
         self.e: dict[tuple[int, int], list[torch.Tensor]] = {}
         """Error-feedback buffer of each (layer group, fragment) (float32, on the device the path runs on),
@@ -99,12 +102,17 @@ class SparseLoCoCodec(FragmentCodec):
         elif e and e[0].device != where:  # restored from a checkpoint on the CPU: move it, keep it
             e = [t.to(where) for t in e]
         zeros = [torch.zeros(t.shape, dtype=torch.float32, device=where) for t in fresh]
+        key = (
+            rounding_key(fid.run_id, fid.stage, fid.fragment, fid.round, fid.replica)
+            if self.stochastic
+            else None
+        )
         if on_device:
             from protocol.codecs.sparseloco_device import error_feedback_step_device
 
-            cf, e_new = error_feedback_step_device(e + zeros, delta + fresh, self.cfg)  # e in place
+            cf, e_new = error_feedback_step_device(e + zeros, delta + fresh, self.cfg, key)  # e in place
         else:
-            cf, e_new = error_feedback_step(e + zeros, delta + fresh, self.cfg)
+            cf, e_new = error_feedback_step(e + zeros, delta + fresh, self.cfg, key)
         self.e[fid.stage, fid.fragment] = e_new[: len(delta)]
         header = FragmentHeader.of(
             cf,
@@ -234,7 +242,9 @@ def make_sync_parts(spec: RunSpec, identity: Identity) -> SyncParts:
 
     codec: FragmentCodec
     if s.method == "sparseloco":
-        codec = SparseLoCoCodec(identity, s.sparseloco(), tokens_bound=bound)
+        codec = SparseLoCoCodec(
+            identity, s.sparseloco(), tokens_bound=bound, stochastic=s.stochastic_rounding
+        )
     elif s.method == "diloco":
         codec = DenseCodec(identity, tokens_bound=bound)
     else:  # SyncSpec validates the method; this guards a spec built around that check

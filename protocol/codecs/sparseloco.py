@@ -21,6 +21,14 @@ means, as Templar dequantizes to bin means) times s_c. The per-chunk scale costs
 coordinates (1.3% of the bytes); where tiles differ in scale it cuts the quantization error by 10-20%
 (see docs/benchmarks.md), and elsewhere it costs nothing in error.
 
+Stochastic rounding (`rounding_key`, `sync.stochastic_rounding`). Deterministic rounding codes |y| to the
+nearest Lloyd level and decodes the bin's mean. Stochastic rounding decodes the Lloyd centers themselves and
+codes |y| between the two centers around it, c_j <= |y| < c_j+1, as level j + 1 with probability
+(|y| - c_j) / (c_j+1 - c_j): unbiased between the outer centers (|y| below the lowest or above the highest
+takes that center). The uniforms are numpy's Philox, a counter-based generator keyed by a hash of (run,
+stage, fragment, round, replica) (`rounding_key`), drawn in entry order, so every encoder (host or device)
+codes the same entries with the same draws. Error feedback keeps what the rounding moved, as always.
+
 Bounds a decoder checks (`check_values`, on the tables and scales, not per entry). A chunk keeping k_c
 values of RMS s has |v| <= sqrt(k_c) s, and s_c >= s 2^(-1/16) (nearest grid step; clipping at code 254
 only raises s_c), so |y| <= 2^(1/16) sqrt(k_c); in float32's subnormal range rounding s_c to a multiple
@@ -34,6 +42,7 @@ format with entropy-coded indices.
 
 from __future__ import annotations
 
+import hashlib
 import math
 from dataclasses import dataclass
 from functools import lru_cache
@@ -51,6 +60,33 @@ _ZERO_CHUNK = 255  # chunk scale code of an all-zero chunk
 # 2^(-code/8) as float32, from correctly rounded Python floats: every host decodes s_c to the same bits.
 _SCALE_LUT = np.array([2.0 ** (-c / _SCALE_STEPS_PER_OCTAVE) for c in range(_ZERO_CHUNK)] + [0.0], np.float32)
 _LLOYD_ITERS = 12
+
+
+def rounding_key(run_id: str, stage: int, fragment: int, round: int, replica: int) -> int:
+    """The 128-bit Philox key of a fragment's stochastic rounding: sha256 of its identity (hashlib, not a
+    hand-made hash), so a replica never reuses draws across rounds or fragments."""
+    raw = f"{run_id}|{stage}|{fragment}|{round}|{replica}".encode()
+    return int.from_bytes(hashlib.sha256(raw).digest()[:16], "little")
+
+
+def rounding_uniforms(key: int, n: int) -> np.ndarray:
+    """(n,) float64 uniforms in [0, 1), the entries' draws in entry order (the same on every host)."""
+    return np.random.Generator(np.random.Philox(key=key)).random(n)
+
+
+def stochastic_levels(m: np.ndarray, c: np.ndarray, u: np.ndarray) -> np.ndarray:
+    """(N,) levels of |y| = m (N,) between the centers c (N, L) around it: level j + 1 with probability
+    (m - c_j) / (c_j+1 - c_j) (u (N,) the draws); the outer centers below and above. float64 throughout,
+    so the device path's torch arithmetic gives the same levels."""
+    L = c.shape[1]
+    j = np.clip((m[:, None] >= c).sum(axis=1) - 1, 0, L - 2)
+    lo = np.take_along_axis(c, j[:, None], 1)[:, 0]
+    hi = np.take_along_axis(c, j[:, None] + 1, 1)[:, 0]
+    gap = hi - lo
+    p = np.clip(np.divide(m - lo, gap, out=np.zeros_like(gap), where=gap > 0), 0.0, 1.0)
+    return j + (u < p)
+
+
 _F32_MAX = float(np.finfo(np.float32).max)
 _TABLE_BOUND_PER_SQRT_K = 2.0  # honest |table| <= 1.5 * 2^(1/16) sqrt(k) = 1.57 sqrt(k): see the module doc
 
@@ -304,9 +340,10 @@ def _flat_index(lay: Layout, rows: np.ndarray, idx: np.ndarray) -> np.ndarray:
 
 
 def _quantize(
-    v: np.ndarray, rows: np.ndarray, lay: Layout, b: int
+    v: np.ndarray, rows: np.ndarray, lay: Layout, b: int, u: np.ndarray | None = None
 ) -> tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray]:
-    """Q_b of the kept values v (N,) in chunks `rows` (N,): (codes, chunk scale codes, ref, tables)."""
+    """Q_b of the kept values v (N,) in chunks `rows` (N,): (codes, chunk scale codes, ref, tables).
+    u: (N,) uniforms for stochastic rounding (None: deterministic)."""
     T = len(lay.sparse)
     L = 1 << (b - 1)  # magnitude levels per sign
     a = np.abs(v).astype(np.float64)
@@ -352,6 +389,11 @@ def _quantize(
             centers = np.where(cnt > 0, (cs[edges[:, 1:]] - cs[edges[:, :-1]]) / np.maximum(cnt, 1), centers)
         th = (centers[:, 1:] + centers[:, :-1]) / 2
         level = (m >= th[tid, 0]).astype(np.int64) if L == 2 else (m[:, None] >= th[tid]).sum(axis=1)
+        if u is not None:  # between the centers around |y|, decoded as the centers (module doc)
+            level = stochastic_levels(m.astype(np.float64), centers[tid], u)
+            codes = ((y < 0).astype(np.int64) << (b - 1)) | level
+            table = np.concatenate([centers, -centers], axis=1).astype(np.float32)
+            return codes.astype(np.uint8), chunk_scale, ref32, table
     codes = ((y < 0).astype(np.int64) << (b - 1)) | level  # (N,)
     key = tid * 2 * L + codes
     cnt = np.bincount(key, minlength=T * 2 * L).reshape(T, 2 * L)
@@ -427,8 +469,11 @@ def refuse_undecodable(cf: CompressedFragment) -> CompressedFragment:
     return cf
 
 
-def compress(tensors: list[torch.Tensor], cfg: SparseLoCoConfig) -> CompressedFragment:
-    """Q_b(TopK_per_chunk(x)) of each tensor (any float dtype; computed in float32).
+def compress(
+    tensors: list[torch.Tensor], cfg: SparseLoCoConfig, rounding_key: int | None = None
+) -> CompressedFragment:
+    """Q_b(TopK_per_chunk(x)) of each tensor (any float dtype; computed in float32); rounding_key: round
+    stochastically with that key's draws (`rounding_key`; None: deterministically).
 
     Raises ValueError for an empty or non-floating tensor, one holding NaN/inf, or one whose values are
     so large (|x| within a factor 2 sqrt(k) of float32's max: 2e37 for k = 64) that a decoder's
@@ -444,7 +489,8 @@ def compress(tensors: list[torch.Tensor], cfg: SparseLoCoConfig) -> CompressedFr
     for j, i in enumerate(lay.sparse):
         a, e = lay.entry_start[lay.chunk_start[j]], lay.entry_start[lay.chunk_start[j + 1]]
         v[a:e] = xs[i].reshape(-1)[flat[a:e]]
-    codes, chunk_scale, ref, table = _quantize(v, rows, lay, cfg.value_bits)
+    u = None if rounding_key is None else rounding_uniforms(rounding_key, len(v))
+    codes, chunk_scale, ref, table = _quantize(v, rows, lay, cfg.value_bits, u)
     dense_x = [xs[i].reshape(-1) for i in lay.dense]
     dense_scale = np.array([np.abs(x).max() for x in dense_x], np.float32)
     if not np.isfinite(dense_scale).all():
@@ -525,14 +571,14 @@ def kept_indices(cf: CompressedFragment) -> list[torch.Tensor | None]:
 
 
 def error_feedback_step(
-    e: list[torch.Tensor], delta: list[torch.Tensor], cfg: SparseLoCoConfig
+    e: list[torch.Tensor], delta: list[torch.Tensor], cfg: SparseLoCoConfig, rounding_key: int | None = None
 ) -> tuple[CompressedFragment, list[torch.Tensor]]:
     """One SparseLoCo error-feedback round (arXiv 2508.15706, Alg. 1):
 
         e' = beta * e + delta;  c = Q_b(TopK(e'));  e_new = e' - decode(c)
 
     so that beta * e + delta == e_new + decompress(c) up to float32 rounding. Inputs are not modified;
-    e_new is float32 on the CPU. Returns (c, e_new).
+    e_new is float32 on the CPU. rounding_key: as `compress`. Returns (c, e_new).
     """
     if len(e) != len(delta):
         raise ValueError(f"error feedback: {len(e)} buffers but {len(delta)} pseudo-gradients")
@@ -545,7 +591,7 @@ def error_feedback_step(
         acc.append(
             torch.add(di.detach().float(), ei.detach().float(), alpha=cfg.beta).cpu()
         )  # beta*e + delta
-    cf = compress(acc, cfg)  # refuses what a decoder would reject
+    cf = compress(acc, cfg, rounding_key)  # refuses what a decoder would reject
     lay = cf.layout
     offs, vals = _entries(cf)
     for j, i in enumerate(lay.sparse):  # e_new = e' - decode(c), only where c is nonzero
@@ -567,5 +613,8 @@ __all__ = [
     "kept_indices",
     "layout",
     "refuse_undecodable",
+    "rounding_key",
+    "rounding_uniforms",
+    "stochastic_levels",
     "table_bound",
 ]

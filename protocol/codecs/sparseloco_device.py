@@ -59,6 +59,7 @@ from protocol.codecs.sparseloco import (
     check_values,
     layout,
     refuse_undecodable,
+    rounding_uniforms,
 )
 
 _SIGN_CLEAR = 0x7FFFFFFF  # |x| of an IEEE float32, as int32 bits
@@ -184,8 +185,20 @@ def _bin_edges(
     return torch.cat([seg[:-1, None], cut, seg[1:, None]], dim=1)
 
 
+def _stochastic_levels(m: torch.Tensor, c: torch.Tensor, u: torch.Tensor) -> torch.Tensor:
+    """`protocol.codecs.sparseloco.stochastic_levels` in torch float64 (the same arithmetic, so the same
+    levels): m (N,), c (N, L) the centers, u (N,) the draws."""
+    L = c.shape[1]
+    j = ((m[:, None] >= c).sum(dim=1) - 1).clamp(0, L - 2)
+    lo = c.gather(1, j[:, None])[:, 0]
+    hi = c.gather(1, j[:, None] + 1)[:, 0]
+    gap = hi - lo
+    p = torch.where(gap > 0, (m - lo) / torch.where(gap > 0, gap, 1.0), 0.0).clamp(0.0, 1.0)
+    return j + (u < p).long()
+
+
 def _lloyd_table(
-    y: torch.Tensor, tid: torch.Tensor, seg_np: np.ndarray, b: int
+    y: torch.Tensor, tid: torch.Tensor, seg_np: np.ndarray, b: int, u: torch.Tensor | None = None
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Lloyd-Max on |y| per tensor (thresholds shared by both signs) and the bin-mean table, all tensors
     at once: (codes (N,) uint8, table (T, 2^b) float32). Entries are grouped by tensor, seg (T+1,) bounds.
@@ -219,6 +232,10 @@ def _lloyd_table(
             centers = torch.where(cnt > 0, mean, centers)
         th = (centers[:, 1:] + centers[:, :-1]) / 2  # (T, L-1)
         level = (m.double()[:, None] >= th[tid]).sum(dim=1)  # (N,)
+        if u is not None:  # stochastic rounding: between the centers around |y|, decoded as the centers
+            level = _stochastic_levels(m.double(), centers[tid], u)
+            codes = (neg.long() << (b - 1)) | level
+            return codes.to(torch.uint8), torch.cat([centers, -centers], dim=1).float()
     else:
         centers = torch.zeros((T, 1), dtype=torch.float64, device=device)
         level = torch.zeros_like(tid)
@@ -260,9 +277,14 @@ class _Encoded:
 
 
 def _encode(
-    value: Callable[[int], torch.Tensor], lay: Layout, cfg: SparseLoCoConfig, device: torch.device
+    value: Callable[[int], torch.Tensor],
+    lay: Layout,
+    cfg: SparseLoCoConfig,
+    device: torch.device,
+    rounding_key: int | None = None,
 ) -> _Encoded:
-    """Q_b(TopK_per_chunk(x)) of x_i = value(i) (float32, contiguous, on `device`), left on the device."""
+    """Q_b(TopK_per_chunk(x)) of x_i = value(i) (float32, contiguous, on `device`), left on the device;
+    rounding_key: stochastic rounding with the reference's draws (`rounding_uniforms`, made on the host)."""
     C, b = cfg.chunk, cfg.value_bits
     rev = (C - 1) - torch.arange(C, dtype=torch.int64, device=device)  # (C,) lower position, larger key
     k_dev = _h2d(lay.k, device)  # (NC,)
@@ -294,7 +316,8 @@ def _encode(
     tid = ct[rows]  # (N,) tensor of each entry
     del rows, v_all
     if T:
-        codes, table = _lloyd_table(y, tid, lay.entry_start[lay.chunk_start], b)
+        u = None if rounding_key is None else _h2d(rounding_uniforms(rounding_key, lay.n_kept), device)
+        codes, table = _lloyd_table(y, tid, lay.entry_start[lay.chunk_start], b, u)
     else:
         codes = torch.zeros(0, dtype=torch.uint8, device=device)
         table = torch.zeros((0, 1 << b), dtype=f32, device=device)
@@ -410,7 +433,9 @@ def _shapes(xs: list[torch.Tensor]) -> tuple[Shape, ...]:
 
 
 @torch.no_grad()
-def compress_device(tensors: list[torch.Tensor], cfg: SparseLoCoConfig) -> CompressedFragment:
+def compress_device(
+    tensors: list[torch.Tensor], cfg: SparseLoCoConfig, rounding_key: int | None = None
+) -> CompressedFragment:
     """`protocol.codecs.sparseloco.compress` computed on the tensors' device (any float dtype, one device).
 
     Same kept indices as the reference; the quantizer's codes and tables may differ in rare last bits.
@@ -420,12 +445,12 @@ def compress_device(tensors: list[torch.Tensor], cfg: SparseLoCoConfig) -> Compr
     """
     device = _device_of(tensors, "tensor")
     lay = layout(_shapes(tensors), cfg)
-    return _fetch(_encode(lambda i: _f32(tensors[i]), lay, cfg, device), lay, cfg)
+    return _fetch(_encode(lambda i: _f32(tensors[i]), lay, cfg, device, rounding_key), lay, cfg)
 
 
 @torch.no_grad()
 def error_feedback_step_device(
-    e: list[torch.Tensor], delta: list[torch.Tensor], cfg: SparseLoCoConfig
+    e: list[torch.Tensor], delta: list[torch.Tensor], cfg: SparseLoCoConfig, rounding_key: int | None = None
 ) -> tuple[CompressedFragment, list[torch.Tensor]]:
     """One SparseLoCo error-feedback round (arXiv 2508.15706, Alg. 1) on the device of e and delta:
 
@@ -455,7 +480,7 @@ def error_feedback_step_device(
             )
     beta = cfg.beta
     lay = layout(_shapes(e), cfg)
-    enc = _encode(lambda i: torch.add(_f32(delta[i]), e[i], alpha=beta), lay, cfg, device)
+    enc = _encode(lambda i: torch.add(_f32(delta[i]), e[i], alpha=beta), lay, cfg, device, rounding_key)
     cf = _fetch(enc, lay, cfg)  # raises before e is written
     for j, i in enumerate(lay.sparse):  # e_new = e' - decode(c): e' again (same kernel, same bits), then
         torch.add(_f32(delta[i]), e[i], alpha=beta, out=e[i])  # the kept entries from the values sent

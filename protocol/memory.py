@@ -73,6 +73,7 @@ BYTES_PER_PARAM: Final[dict[str, int]] = {
     "weights": 4,  # fp32 weights (the master copy under bf16 autocast)
     "grads": 4,  # fp32 .grad, accumulated over the step's microbatches
     "adamw": 8,  # AdamW exp_avg + exp_avg_sq, fp32
+    "muon": 4,  # Muon's momentum buffer, fp32 (train.optimizer = "muon": the blocks' 2-D matrices)
     "autocast_copy": 2,  # bf16 only: autocast's cached bf16 cast of a matmul weight, once per step
     "anchor": 4,  # outer sync: the consensus theta the pseudo-gradient is taken from
     "error_feedback": 4,  # SparseLoCo only: e, what compression has not sent yet
@@ -237,13 +238,15 @@ class StageMemory:
     weights: int
     grads: int
     optimizer: int
-    """AdamW exp_avg and exp_avg_sq."""
+    """AdamW exp_avg and exp_avg_sq; under Muon, its momentum for the blocks' matrices."""
     autocast_copies: int
     """bf16 copies of the matmul weights, one per step (0 in fp32)."""
     outer_state: int
     """Anchor, error feedback, captured theta, outer momentum."""
     activations: int
     """Saved tensors of the microbatches in flight, plus the last stage's logits."""
+    optimizer_name: str = "AdamW"
+    """How `describe` names the optimizer state ("Muon + AdamW" under train.optimizer = "muon")."""
 
     @property
     def total(self) -> int:
@@ -262,7 +265,7 @@ class StageMemory:
         parts = [
             ("weights", self.weights),
             ("grads", self.grads),
-            ("AdamW", self.optimizer),
+            (self.optimizer_name, self.optimizer),
             ("bf16 copies", self.autocast_copies),
             ("outer state", self.outer_state),
             ("activations", self.activations),
@@ -289,12 +292,15 @@ def stage_memory(spec: RunSpec, stage: int, precision: str, replica: int | None 
     alive = in_flight(S, stage, spec.pipeline.extra_in_flight, M)
     t = BYTES_PER_PARAM
     share = captured_share(sync.H, sync.P, sync.tau)
+    muon = spec.train.optimizer == "muon"
+    blocks = (end - start) * (4 * m.d_model * m.d_model + 3 * m.d_model * m.d_ff)  # Muon's matrices
+    optimizer = params * t["adamw"] - (blocks * (t["adamw"] - t["muon"]) if muon else 0)
     return StageMemory(
         stage=stage,
         precision=precision,  # type: ignore[arg-type]
         weights=params * t["weights"],
         grads=params * t["grads"],
-        optimizer=params * t["adamw"],
+        optimizer=optimizer,
         # node/pipeline/schedule.py runs a step's microbatches in one autocast region: one cached copy per step
         autocast_copies=matmul * t["autocast_copy"] if precision == "bf16" else 0,
         outer_state=round(params * outer_bytes_per_param(sync.method, sync.outer_momentum, share)),
@@ -308,6 +314,7 @@ def stage_memory(spec: RunSpec, stage: int, precision: str, replica: int | None 
             last=stage == S - 1,
             precision=precision,
         ),
+        optimizer_name="Muon + AdamW" if muon else "AdamW",
     )
 
 

@@ -3,6 +3,8 @@ rest (`train.optimizer = "muon"`, issue 24), scheduled, stepped and checkpointed
 
 from __future__ import annotations
 
+from dataclasses import replace
+
 import pytest
 import torch
 
@@ -94,3 +96,22 @@ def test_the_run_spec_names_the_optimizer_settings() -> None:
         TrainSpec(optimizer="muon", muon_momentum=1.0)
     spec = RunSpec(run_id="m", train=MUON)
     assert spec.train.optimizer == "muon" and TrainSpec().optimizer == "adamw"
+
+
+def test_the_memory_estimate_counts_muons_one_buffer() -> None:
+    """protocol/memory.py's optimizer state against the real one after a step: AdamW's two moments per
+    parameter, Muon's one momentum buffer per block-matrix parameter."""
+    from node.model import build_stage
+    from protocol.memory import stage_memory
+
+    for optimizer in ("adamw", "muon"):
+        spec = RunSpec(run_id="m", stages=1, model=MODEL, train=replace(MUON, optimizer=optimizer))
+        stage = build_stage(spec.model, spec.layer_ranges(), 0)
+        opt = make_optimizer(stage, spec.train)
+        train(stage, opt, range(1))
+        real = sum(
+            v.numel() * v.element_size() for st in opt.state.values() for k, v in st.items() if v.numel() > 1
+        )
+        need = stage_memory(spec, 0, "fp32")
+        assert need.optimizer == real, (optimizer, need.optimizer, real)
+        assert ("Muon + AdamW" in need.describe()) == (optimizer == "muon")

@@ -209,6 +209,13 @@ def stage_params(spec: RunSpec, stage: int, replica: int | None = None) -> int:
     return _stage_params(spec, stage, replica)[0]
 
 
+def block_matrix_params(spec: RunSpec, layers: int) -> int:
+    """Parameters of `layers` blocks' 2-D matrices (attention 4 d^2, SwiGLU MLP 3 d d_ff): what autocast
+    casts in a block, and what Muon trains under train.optimizer = "muon"."""
+    d = spec.model.d_model
+    return layers * (4 * d * d + 3 * d * spec.model.d_ff)
+
+
 def _stage_params(spec: RunSpec, stage: int, replica: int | None = None) -> tuple[int, int]:
     """(all parameters, parameters of matmul weights, the ones autocast casts) of one stage."""
     ranges = spec.layer_ranges(replica)
@@ -220,7 +227,7 @@ def _stage_params(spec: RunSpec, stage: int, replica: int | None = None) -> tupl
     start, end = ranges[stage]
     n = end - start
     params = n * layer_params(d, m.d_ff)
-    matmul = n * (4 * d * d + 3 * d * m.d_ff)
+    matmul = block_matrix_params(spec, n)
     if stage == 0:
         params += V * d  # embedding: a lookup, never cast
     if stage == S - 1:
@@ -293,8 +300,8 @@ def stage_memory(spec: RunSpec, stage: int, precision: str, replica: int | None 
     t = BYTES_PER_PARAM
     share = captured_share(sync.H, sync.P, sync.tau)
     muon = spec.train.optimizer == "muon"
-    blocks = (end - start) * (4 * m.d_model * m.d_model + 3 * m.d_model * m.d_ff)  # Muon's matrices
-    optimizer = params * t["adamw"] - (blocks * (t["adamw"] - t["muon"]) if muon else 0)
+    blocks = block_matrix_params(spec, end - start) if muon else 0  # Muon's matrices: one buffer, not two
+    optimizer = params * t["adamw"] - blocks * (t["adamw"] - t["muon"])
     return StageMemory(
         stage=stage,
         precision=precision,  # type: ignore[arg-type]
@@ -345,6 +352,7 @@ __all__ = [
     "Precision",
     "StageMemory",
     "activation_bytes",
+    "block_matrix_params",
     "bytes_per_param",
     "captured_share",
     "fits",

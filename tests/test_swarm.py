@@ -387,11 +387,16 @@ def test_two_runs_at_once_share_the_swarm_and_nothing_else(swarm: Swarm, tmp_pat
     assert not [
         k for k in store.list("swarm-") if not k.startswith(("swarm-a/", "swarm-m/", "swarm-p/", "swarm-q/"))
     ]
-    signers = {Identity.load_or_create(k).public_key for k in swarm.out.glob("node*.key")}
+    signers = {k.public_key for k in _node_identities(swarm)}
     for st in (0, 1):
         ck = read_round(store, run_id="swarm-q", stage=st, replica=0, round=steps // 30, trusted=signers)
         assert any(k.endswith(".momentum_buffer") for k in ck.tensors), sorted(ck.tensors)[:8]
         assert any(k.endswith(".exp_avg_sq") for k in ck.tensors)
+
+
+def _node_identities(swarm: Swarm) -> list[Identity]:
+    """Every node key the swarm has written (a node restarted with an old key has no key file of its own)."""
+    return [Identity.load_or_create(k) for k in sorted(swarm.out.glob("node*.key"))]
 
 
 def _slots(swarm: Swarm, run_id: str) -> dict[tuple[int, int], int]:
@@ -917,8 +922,7 @@ def test_butterfly_pairs_mix_four_replicas_and_the_run_exports(
     store = ObjectStore(StoreConfig(endpoint_url=swarm.store_url, bucket="crucible"))
     # each replica's checkpoint signed by the node serving it (its key file found by peer id: a node that
     # was stopped and restarted with an old key breaks "node i's key is node{i}.key")
-    ids = [Identity.load_or_create(k) for k in swarm.out.glob("node*.key")]
-    signers = {k.peer_id: k.public_key for k in ids}
+    signers = {k.peer_id: k.public_key for k in _node_identities(swarm)}
     peer_of = {
         st["metrics"]["replica"]: st["peer_id"]
         for st in swarm.statuses()

@@ -61,6 +61,9 @@ _ZERO_CHUNK = 255  # chunk scale code of an all-zero chunk
 _SCALE_LUT = np.array([2.0 ** (-c / _SCALE_STEPS_PER_OCTAVE) for c in range(_ZERO_CHUNK)] + [0.0], np.float32)
 _LLOYD_ITERS = 12
 
+_F32_MAX = float(np.finfo(np.float32).max)
+_TABLE_BOUND_PER_SQRT_K = 2.0  # honest |table| <= 1.5 * 2^(1/16) sqrt(k) = 1.57 sqrt(k): see the module doc
+
 
 def rounding_key(run_id: str, stage: int, fragment: int, round: int, replica: int) -> int:
     """The 128-bit Philox key of a fragment's stochastic rounding: sha256 of its identity (hashlib, not a
@@ -85,10 +88,6 @@ def stochastic_levels(m: np.ndarray, c: np.ndarray, u: np.ndarray) -> np.ndarray
     gap = hi - lo
     p = np.clip(np.divide(m - lo, gap, out=np.zeros_like(gap), where=gap > 0), 0.0, 1.0)
     return j + (u < p)
-
-
-_F32_MAX = float(np.finfo(np.float32).max)
-_TABLE_BOUND_PER_SQRT_K = 2.0  # honest |table| <= 1.5 * 2^(1/16) sqrt(k) = 1.57 sqrt(k): see the module doc
 
 
 @dataclass(kw_only=True, frozen=True)
@@ -388,13 +387,16 @@ def _quantize(
             cnt = np.diff(edges, axis=1)
             centers = np.where(cnt > 0, (cs[edges[:, 1:]] - cs[edges[:, :-1]]) / np.maximum(cnt, 1), centers)
         th = (centers[:, 1:] + centers[:, :-1]) / 2
-        level = (m >= th[tid, 0]).astype(np.int64) if L == 2 else (m[:, None] >= th[tid]).sum(axis=1)
-        if u is not None:  # between the centers around |y|, decoded as the centers (module doc)
+        if u is not None:  # between the centers around |y| (module doc)
             level = stochastic_levels(m.astype(np.float64), centers[tid], u)
-            codes = ((y < 0).astype(np.int64) << (b - 1)) | level
-            table = np.concatenate([centers, -centers], axis=1).astype(np.float32)
-            return codes.astype(np.uint8), chunk_scale, ref32, table
+        elif L == 2:
+            level = (m >= th[tid, 0]).astype(np.int64)
+        else:
+            level = (m[:, None] >= th[tid]).sum(axis=1)
     codes = ((y < 0).astype(np.int64) << (b - 1)) | level  # (N,)
+    if u is not None and L > 1:  # stochastic rounding decodes the centers themselves
+        table = np.concatenate([centers, -centers], axis=1).astype(np.float32)
+        return codes.astype(np.uint8), chunk_scale, ref32, table
     key = tid * 2 * L + codes
     cnt = np.bincount(key, minlength=T * 2 * L).reshape(T, 2 * L)
     tot = np.bincount(key, weights=y, minlength=T * 2 * L).reshape(T, 2 * L)
@@ -470,10 +472,10 @@ def refuse_undecodable(cf: CompressedFragment) -> CompressedFragment:
 
 
 def compress(
-    tensors: list[torch.Tensor], cfg: SparseLoCoConfig, rounding_key: int | None = None
+    tensors: list[torch.Tensor], cfg: SparseLoCoConfig, key: int | None = None
 ) -> CompressedFragment:
-    """Q_b(TopK_per_chunk(x)) of each tensor (any float dtype; computed in float32); rounding_key: round
-    stochastically with that key's draws (`rounding_key`; None: deterministically).
+    """Q_b(TopK_per_chunk(x)) of each tensor (any float dtype; computed in float32); key: round
+    stochastically with that `rounding_key`'s draws (None: deterministically).
 
     Raises ValueError for an empty or non-floating tensor, one holding NaN/inf, or one whose values are
     so large (|x| within a factor 2 sqrt(k) of float32's max: 2e37 for k = 64) that a decoder's
@@ -489,7 +491,7 @@ def compress(
     for j, i in enumerate(lay.sparse):
         a, e = lay.entry_start[lay.chunk_start[j]], lay.entry_start[lay.chunk_start[j + 1]]
         v[a:e] = xs[i].reshape(-1)[flat[a:e]]
-    u = None if rounding_key is None else rounding_uniforms(rounding_key, len(v))
+    u = None if key is None else rounding_uniforms(key, len(v))
     codes, chunk_scale, ref, table = _quantize(v, rows, lay, cfg.value_bits, u)
     dense_x = [xs[i].reshape(-1) for i in lay.dense]
     dense_scale = np.array([np.abs(x).max() for x in dense_x], np.float32)
@@ -571,14 +573,14 @@ def kept_indices(cf: CompressedFragment) -> list[torch.Tensor | None]:
 
 
 def error_feedback_step(
-    e: list[torch.Tensor], delta: list[torch.Tensor], cfg: SparseLoCoConfig, rounding_key: int | None = None
+    e: list[torch.Tensor], delta: list[torch.Tensor], cfg: SparseLoCoConfig, key: int | None = None
 ) -> tuple[CompressedFragment, list[torch.Tensor]]:
     """One SparseLoCo error-feedback round (arXiv 2508.15706, Alg. 1):
 
         e' = beta * e + delta;  c = Q_b(TopK(e'));  e_new = e' - decode(c)
 
     so that beta * e + delta == e_new + decompress(c) up to float32 rounding. Inputs are not modified;
-    e_new is float32 on the CPU. rounding_key: as `compress`. Returns (c, e_new).
+    e_new is float32 on the CPU. key: as `compress`. Returns (c, e_new).
     """
     if len(e) != len(delta):
         raise ValueError(f"error feedback: {len(e)} buffers but {len(delta)} pseudo-gradients")
@@ -591,7 +593,7 @@ def error_feedback_step(
         acc.append(
             torch.add(di.detach().float(), ei.detach().float(), alpha=cfg.beta).cpu()
         )  # beta*e + delta
-    cf = compress(acc, cfg, rounding_key)  # refuses what a decoder would reject
+    cf = compress(acc, cfg, key)  # refuses what a decoder would reject
     lay = cf.layout
     offs, vals = _entries(cf)
     for j, i in enumerate(lay.sparse):  # e_new = e' - decode(c), only where c is nonzero

@@ -231,11 +231,10 @@ def _lloyd_table(
             mean = (cs[edges[:, 1:]] - cs[edges[:, :-1]]) / cnt.clamp(min=1)
             centers = torch.where(cnt > 0, mean, centers)
         th = (centers[:, 1:] + centers[:, :-1]) / 2  # (T, L-1)
-        level = (m.double()[:, None] >= th[tid]).sum(dim=1)  # (N,)
         if u is not None:  # stochastic rounding: between the centers around |y|, decoded as the centers
-            level = _stochastic_levels(m.double(), centers[tid], u)
-            codes = (neg.long() << (b - 1)) | level
+            codes = (neg.long() << (b - 1)) | _stochastic_levels(m.double(), centers[tid], u)
             return codes.to(torch.uint8), torch.cat([centers, -centers], dim=1).float()
+        level = (m.double()[:, None] >= th[tid]).sum(dim=1)  # (N,)
     else:
         centers = torch.zeros((T, 1), dtype=torch.float64, device=device)
         level = torch.zeros_like(tid)
@@ -281,10 +280,10 @@ def _encode(
     lay: Layout,
     cfg: SparseLoCoConfig,
     device: torch.device,
-    rounding_key: int | None = None,
+    key: int | None = None,
 ) -> _Encoded:
     """Q_b(TopK_per_chunk(x)) of x_i = value(i) (float32, contiguous, on `device`), left on the device;
-    rounding_key: stochastic rounding with the reference's draws (`rounding_uniforms`, made on the host)."""
+    key: stochastic rounding with the reference's draws (`rounding_uniforms`, made on the host)."""
     C, b = cfg.chunk, cfg.value_bits
     rev = (C - 1) - torch.arange(C, dtype=torch.int64, device=device)  # (C,) lower position, larger key
     k_dev = _h2d(lay.k, device)  # (NC,)
@@ -316,7 +315,7 @@ def _encode(
     tid = ct[rows]  # (N,) tensor of each entry
     del rows, v_all
     if T:
-        u = None if rounding_key is None else _h2d(rounding_uniforms(rounding_key, lay.n_kept), device)
+        u = None if key is None else _h2d(rounding_uniforms(key, lay.n_kept), device)
         codes, table = _lloyd_table(y, tid, lay.entry_start[lay.chunk_start], b, u)
     else:
         codes = torch.zeros(0, dtype=torch.uint8, device=device)
@@ -434,7 +433,7 @@ def _shapes(xs: list[torch.Tensor]) -> tuple[Shape, ...]:
 
 @torch.no_grad()
 def compress_device(
-    tensors: list[torch.Tensor], cfg: SparseLoCoConfig, rounding_key: int | None = None
+    tensors: list[torch.Tensor], cfg: SparseLoCoConfig, key: int | None = None
 ) -> CompressedFragment:
     """`protocol.codecs.sparseloco.compress` computed on the tensors' device (any float dtype, one device).
 
@@ -445,12 +444,12 @@ def compress_device(
     """
     device = _device_of(tensors, "tensor")
     lay = layout(_shapes(tensors), cfg)
-    return _fetch(_encode(lambda i: _f32(tensors[i]), lay, cfg, device, rounding_key), lay, cfg)
+    return _fetch(_encode(lambda i: _f32(tensors[i]), lay, cfg, device, key), lay, cfg)
 
 
 @torch.no_grad()
 def error_feedback_step_device(
-    e: list[torch.Tensor], delta: list[torch.Tensor], cfg: SparseLoCoConfig, rounding_key: int | None = None
+    e: list[torch.Tensor], delta: list[torch.Tensor], cfg: SparseLoCoConfig, key: int | None = None
 ) -> tuple[CompressedFragment, list[torch.Tensor]]:
     """One SparseLoCo error-feedback round (arXiv 2508.15706, Alg. 1) on the device of e and delta:
 
@@ -480,7 +479,7 @@ def error_feedback_step_device(
             )
     beta = cfg.beta
     lay = layout(_shapes(e), cfg)
-    enc = _encode(lambda i: torch.add(_f32(delta[i]), e[i], alpha=beta), lay, cfg, device, rounding_key)
+    enc = _encode(lambda i: torch.add(_f32(delta[i]), e[i], alpha=beta), lay, cfg, device, key)
     cf = _fetch(enc, lay, cfg)  # raises before e is written
     for j, i in enumerate(lay.sparse):  # e_new = e' - decode(c): e' again (same kernel, same bits), then
         torch.add(_f32(delta[i]), e[i], alpha=beta, out=e[i])  # the kept entries from the values sent

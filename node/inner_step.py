@@ -45,9 +45,10 @@ def lr_at(step: int, train: TrainSpec, peak: float | None = None) -> float:
 
 
 def is_muon_matrix(name: str, p: torch.Tensor) -> bool:
-    """A hidden 2-D matrix of a transformer block (attention and MLP weights), which Muon orthogonalizes;
-    the embedding, the head, norms and biases stay with AdamW (the usual split)."""
-    return name.startswith("layers.") and p.ndim == 2
+    """A hidden 2-D matrix of a transformer block (attention, MLP and each expert's weights), which Muon
+    orthogonalizes; the embedding, the head, norms, biases and an MoE router (a classifier over experts,
+    like the head over tokens) stay with AdamW (the usual split)."""
+    return name.startswith("layers.") and p.ndim == 2 and not name.endswith("router.weight")
 
 
 class InnerOptimizer:

@@ -66,23 +66,84 @@ class Attention(nn.Module):
 
 
 class SwiGLU(nn.Module):
-    def __init__(self, spec: ModelSpec) -> None:
+    def __init__(self, d_model: int, d_ff: int) -> None:
         super().__init__()
-        self.w_gate = nn.Linear(spec.d_model, spec.d_ff, bias=False)
-        self.w_up = nn.Linear(spec.d_model, spec.d_ff, bias=False)
-        self.w_down = nn.Linear(spec.d_ff, spec.d_model, bias=False)  # writes the residual stream
+        self.w_gate = nn.Linear(d_model, d_ff, bias=False)
+        self.w_up = nn.Linear(d_model, d_ff, bias=False)
+        self.w_down = nn.Linear(d_ff, d_model, bias=False)  # writes the residual stream
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return self.w_down(F.silu(self.w_gate(x)) * self.w_up(x))
 
 
-class Block(nn.Module):
+class Router(nn.Module):
+    """DeepSeek-V3's router (GLM-4.5's too): sigmoid scores s = sigmoid(W x) in fp32; each token goes to
+    the top_k experts of s + b, weighted by its s there, normalized to sum to one. The expert bias b
+    (a buffer, no gradient) only chooses: node/moe.py moves it to balance the experts' load."""
+
+    def __init__(self, d_model: int, experts: int, top_k: int) -> None:
+        super().__init__()
+        self.top_k = top_k
+        self.weight = nn.Parameter(torch.empty(experts, d_model))
+        self.expert_bias: torch.Tensor
+        self.register_buffer("expert_bias", torch.zeros(experts, dtype=torch.float32))
+
+    def forward(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """x: (T, d) -> the chosen experts (T, top_k) and their weights (T, top_k, fp32)."""
+        with torch.autocast(x.device.type, enabled=False):  # routing decides on fp32 scores
+            scores = F.linear(x.float(), self.weight.float()).sigmoid()
+        chosen = torch.topk(scores + self.expert_bias, self.top_k, dim=-1, sorted=False).indices
+        w = scores.gather(1, chosen)
+        return chosen, w / (w.sum(-1, keepdim=True) + 1e-20)
+
+
+class MoE(nn.Module):
+    """A block's mixture of experts ([model.moe]): the router's top_k of E SwiGLU experts per token, each
+    expert's output weighted by its score, plus the shared SwiGLU every token goes through. Each expert is
+    its own 2-D matrices (`experts.{e}.w_gate.weight`, ...), so SparseLoCo tiles, Muon orthogonalizes and
+    the subspace constraint confines an expert's w_down like any dense block's. `load` counts the tokens
+    each expert took in training forwards since node/moe.py last took it."""
+
     def __init__(self, spec: ModelSpec) -> None:
+        super().__init__()
+        m, d, f = spec.moe, spec.d_model, spec.expert_d_ff
+        self.router = Router(d, m.experts, m.top_k)
+        self.experts = nn.ModuleList(SwiGLU(d, f) for _ in range(m.experts))
+        self.shared = SwiGLU(d, m.shared_experts * f) if m.shared_experts else None
+        self.load: torch.Tensor
+        self.register_buffer("load", torch.zeros(m.experts, dtype=torch.int64), persistent=False)
+
+    @torch.compiler.disable  # token counts per expert are data-dependent shapes
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        shape = x.shape
+        flat = x.reshape(-1, shape[-1])
+        chosen, w = self.router(flat)
+        visits = chosen.reshape(-1)
+        per_expert = torch.bincount(visits, minlength=len(self.experts))
+        if self.training and torch.is_grad_enabled():  # a training forward (validation runs without grad)
+            self.load += per_expert
+        order = visits.argsort(stable=True)  # visits grouped by expert, ascending
+        token, weight = order // chosen.shape[1], w.reshape(-1)[order]
+        out = torch.zeros_like(flat)
+        start = 0
+        for e, n in enumerate(per_expert.tolist()):
+            if n:
+                t = token[start : start + n]
+                y = self.experts[e](flat[t]) * weight[start : start + n, None]
+                out.index_add_(0, t, y.to(out.dtype))
+            start += n
+        if self.shared is not None:
+            out = out + self.shared(flat)
+        return out.view(shape)
+
+
+class Block(nn.Module):
+    def __init__(self, spec: ModelSpec, layer: int) -> None:
         super().__init__()
         self.attn_norm = RMSNorm(spec.d_model)
         self.attn = Attention(spec)
         self.mlp_norm = RMSNorm(spec.d_model)
-        self.mlp = SwiGLU(spec)
+        self.mlp: nn.Module = MoE(spec) if spec.is_moe_layer(layer) else SwiGLU(spec.d_model, spec.d_ff)
 
     def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
         x = x + self.attn(self.attn_norm(x), cos, sin)
@@ -98,7 +159,7 @@ class Stage(nn.Module):
             raise ValueError(f"layer range [{start}, {end}) is outside the model's {spec.n_layers} layers")
         self.spec, self.start, self.end, self.first, self.last = spec, start, end, first, last
         self.embed = nn.Embedding(spec.vocab, spec.d_model) if first else None
-        self.layers = nn.ModuleDict({str(i): Block(spec) for i in range(start, end)})
+        self.layers = nn.ModuleDict({str(i): Block(spec, i) for i in range(start, end)})
         self.norm = RMSNorm(spec.d_model) if last else None
         self.head = nn.Linear(spec.d_model, spec.vocab, bias=False) if last else None
         cos, sin = rope_tables(spec.seq_len, spec.d_model // spec.n_heads, spec.rope_theta)
@@ -146,6 +207,14 @@ def init_weights_(module: nn.Module, spec: ModelSpec) -> None:
                 p.copy_(torch.randn(p.shape, generator=g) * residual_std)
             else:
                 p.copy_(torch.randn(p.shape, generator=g) * 0.02)
+
+
+def moe_blocks(module: nn.Module) -> dict[int, MoE]:
+    """Layer -> its MoE of a stage (empty for a dense model), in layer order."""
+    layers = getattr(module, "layers", None)
+    if not isinstance(layers, nn.ModuleDict):
+        return {}
+    return {int(i): b.mlp for i, b in layers.items() if isinstance(b.mlp, MoE)}
 
 
 def build_stage(spec: ModelSpec, ranges: list[tuple[int, int]], stage: int) -> Stage:

@@ -81,7 +81,7 @@ def measure_reference_block(device: torch.device, precision: str, repeats: int =
 
     ref = reference_block_for(device.type)
     spec = ModelSpec(d_model=ref.d_model, n_layers=1, n_heads=ref.n_heads, d_ff=ref.d_ff, seq_len=ref.seq_len)
-    block = Block(spec).to(device)
+    block = Block(spec, 0).to(device)
     cos, sin = (t.to(device) for t in rope_tables(ref.seq_len, ref.d_model // ref.n_heads, spec.rope_theta))
     x = torch.randn(ref.batch, ref.seq_len, ref.d_model, device=device, requires_grad=True)
     best = float("inf")

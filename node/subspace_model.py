@@ -97,8 +97,8 @@ def constrain_stage(
         constraints.append(Constraint("embed.weight", plan.embed_k, "rows"))
     for layer in range(stage.start, stage.end):
         if layer in plan.write_k:
-            for writer in ("attn.wo.weight", "mlp.w_down.weight"):
-                constraints.append(Constraint(f"layers.{layer}.{writer}", plan.write_k[layer], "out"))
+            for writer in model_spec.residual_writers(layer):  # an MoE block's every expert's w_down too
+                constraints.append(Constraint(writer, plan.write_k[layer], "out"))
     stage.subspace_constraints = tuple(constraints)  # type: ignore[assignment]  # plain attribute
     project_weights_(stage)
     return plan

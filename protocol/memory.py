@@ -62,7 +62,7 @@ import math
 from dataclasses import dataclass
 from typing import Final, Literal
 
-from protocol.runspec import RunSpec
+from protocol.runspec import ModelSpec, RunSpec
 
 Precision = Literal["fp32", "bf16"]
 PRECISIONS: Final = ("fp32", "bf16")
@@ -163,10 +163,23 @@ def in_flight(S: int, s: int, extra_in_flight: int, M: int) -> int:
 
 
 def layer_activation_bytes_per_token(d_model: int, d_ff: int, precision: str) -> int:
-    """Bytes one transformer block keeps per token for its backward: 36 d + 8 f in bf16, 40 d + 16 f in
-    fp32 (module docstring)."""
+    """Bytes one dense transformer block keeps per token for its backward: 36 d + 8 f in bf16, 40 d + 16 f
+    in fp32 (module docstring)."""
     _check_precision(precision)
     return 36 * d_model + 8 * d_ff if precision == "bf16" else 40 * d_model + 16 * d_ff
+
+
+def block_activation_bytes_per_token(model: ModelSpec, layer: int, precision: str) -> int:
+    """Bytes block `layer` keeps per token for its backward. A dense block: as above. An MoE block
+    (node/moe.py) counts as a dense one whose SwiGLU is as wide as the experts a token visits, top_k + the
+    shared width, plus, per routed visit, the token's gathered input and weighted output (2 d, fp32) and
+    the router's fp32 logits, scores and choice (12 E). An estimate from the tensors, not yet measured."""
+    d = model.d_model
+    if not model.is_moe_layer(layer):
+        return layer_activation_bytes_per_token(d, model.d_ff, precision)
+    moe, f = model.moe, model.expert_d_ff
+    width = (moe.top_k + moe.shared_experts) * f
+    return layer_activation_bytes_per_token(d, width, precision) + moe.top_k * 8 * d + 12 * moe.experts
 
 
 def activation_bytes(
@@ -179,17 +192,21 @@ def activation_bytes(
     alive: int,
     last: bool,
     precision: str,
+    per_layer: list[int] | None = None,
 ) -> int:
     """Activation memory of a stage of `layers` blocks with `alive` microbatches of `tokens` (b L) in
     flight (module docstring)::
 
-        alive x tokens x (layers x per_layer + 4 d if not last)     # saved tensors, fp32 stage output
-        + tokens x per_layer                                        # backward workspace of one layer
-        + tokens x (final norm + 12 V)                  if last     # fp32 cross-entropy of one microbatch
-    """
-    per_layer = layer_activation_bytes_per_token(d_model, d_ff, precision)
+        alive x tokens x (sum of the blocks' bytes + 4 d if not last)   # saved tensors, fp32 stage output
+        + tokens x the largest block's                                   # backward workspace of one layer
+        + tokens x (final norm + 12 V)                  if last         # fp32 cross-entropy of one microbatch
+
+    per_layer: each block's bytes per token (`block_activation_bytes_per_token`); None: `layers` dense
+    blocks of width d_ff."""
+    if per_layer is None:
+        per_layer = [layer_activation_bytes_per_token(d_model, d_ff, precision)] * layers
     out = 0 if last else 4 * d_model
-    act = alive * tokens * (layers * per_layer + out) + tokens * per_layer
+    act = alive * tokens * (sum(per_layer) + out) + tokens * max(per_layer, default=0)
     if last:
         norm = 10 * d_model if precision == "bf16" else 12 * d_model  # as a block's norm
         act += tokens * (norm + 12 * vocab)
@@ -197,8 +214,8 @@ def activation_bytes(
 
 
 def layer_params(d_model: int, d_ff: int) -> int:
-    """Parameters of one block as node/model.py builds it: Wq, Wk, Wv, Wo (4 d^2), SwiGLU (3 d d_ff),
-    two RMSNorm gains (2 d)."""
+    """Parameters of one dense block as node/model.py builds it: Wq, Wk, Wv, Wo (4 d^2), SwiGLU (3 d d_ff),
+    two RMSNorm gains (2 d). A block of a model spec, MoE or not: `ModelSpec.layer_params`."""
     return 4 * d_model * d_model + 3 * d_model * d_ff + 2 * d_model
 
 
@@ -209,11 +226,16 @@ def stage_params(spec: RunSpec, stage: int, replica: int | None = None) -> int:
     return _stage_params(spec, stage, replica)[0]
 
 
-def block_matrix_params(spec: RunSpec, layers: int) -> int:
-    """Parameters of `layers` blocks' 2-D matrices (attention 4 d^2, SwiGLU MLP 3 d d_ff): what autocast
-    casts in a block, and what Muon trains under train.optimizer = "muon"."""
-    d = spec.model.d_model
-    return layers * (4 * d * d + 3 * d * spec.model.d_ff)
+def block_matrix_params(spec: RunSpec, start: int, end: int) -> int:
+    """Parameters of blocks [start, end)'s 2-D matrices (attention 4 d^2, the SwiGLU MLP or the experts'):
+    what autocast casts in a block, and what Muon trains under train.optimizer = "muon". An MoE block's
+    router (E x d) is neither: it scores in fp32 and trains with AdamW (node/moe.py)."""
+    m = spec.model
+    d = m.d_model
+    return sum(
+        4 * d * d + m.mlp_matrix_params(i) - (m.moe.experts * d if m.is_moe_layer(i) else 0)
+        for i in range(start, end)
+    )
 
 
 def _stage_params(spec: RunSpec, stage: int, replica: int | None = None) -> tuple[int, int]:
@@ -225,9 +247,8 @@ def _stage_params(spec: RunSpec, stage: int, replica: int | None = None) -> tupl
     m = spec.model
     d, V = m.d_model, m.vocab
     start, end = ranges[stage]
-    n = end - start
-    params = n * layer_params(d, m.d_ff)
-    matmul = block_matrix_params(spec, n)
+    params = sum(m.layer_params(i) for i in range(start, end))
+    matmul = block_matrix_params(spec, start, end)
     if stage == 0:
         params += V * d  # embedding: a lookup, never cast
     if stage == S - 1:
@@ -300,7 +321,7 @@ def stage_memory(spec: RunSpec, stage: int, precision: str, replica: int | None 
     t = BYTES_PER_PARAM
     share = captured_share(sync.H, sync.P, sync.tau)
     muon = spec.train.optimizer == "muon"
-    blocks = block_matrix_params(spec, end - start) if muon else 0  # Muon's matrices: one buffer, not two
+    blocks = block_matrix_params(spec, start, end) if muon else 0  # Muon's matrices: one buffer, not two
     optimizer = params * t["adamw"] - blocks * (t["adamw"] - t["muon"])
     return StageMemory(
         stage=stage,
@@ -320,6 +341,7 @@ def stage_memory(spec: RunSpec, stage: int, precision: str, replica: int | None 
             alive=alive,
             last=stage == S - 1,
             precision=precision,
+            per_layer=[block_activation_bytes_per_token(m, i, precision) for i in range(start, end)],
         ),
         optimizer_name="Muon + AdamW" if muon else "AdamW",
     )
@@ -352,6 +374,7 @@ __all__ = [
     "Precision",
     "StageMemory",
     "activation_bytes",
+    "block_activation_bytes_per_token",
     "block_matrix_params",
     "bytes_per_param",
     "captured_share",

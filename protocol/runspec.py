@@ -49,9 +49,59 @@ _MODEL_BOUNDS = {
 cannot overflow an allocation computed from them."""
 
 
+MAX_EXPERTS = 1 << 12
+"""Routed experts per MoE block: 256 in DeepSeek-V3's and the seed's models, far above that here."""
+MAX_STATS_DELAY = 64
+"""The most inner steps the routing statistics of a step may wait before the bias update that uses them."""
+
+
+@dataclass(kw_only=True, frozen=True)
+class MoESpec:
+    """Mixture-of-experts blocks ([model.moe]; issue 24): a router picks `top_k` of `experts` SwiGLU experts
+    per token in every block from `first_dense` on, as DeepSeek-V3 and GLM-4.5 lay them out (sigmoid
+    scores; an expert bias, used only to choose, balances the load without an auxiliary loss). The bias
+    moves after each inner step by `bias_rate` x sign(mean load - expert load), from the token counts of
+    every replica (node/moe.py), so it is one state across the run. experts = 0: dense blocks only."""
+
+    experts: int = 0
+    """Routed experts per MoE block (0: no MoE; every block is the dense SwiGLU of model.d_ff)."""
+    top_k: int = 2
+    """Experts each token is routed to."""
+    d_ff: int = 0
+    """Each expert's SwiGLU width (0: model.d_ff)."""
+    first_dense: int = 0
+    """Blocks before this one keep the dense SwiGLU (HF's first_k_dense_replace); 0: every block is MoE."""
+    shared_experts: int = 0
+    """Experts every token goes through as well, as one SwiGLU of shared_experts x d_ff (0: none)."""
+    bias_rate: float = 1e-3
+    """gamma: how far one step moves an expert's bias (DeepSeek-V3's aux-loss-free balancing)."""
+    stats_delay: int = 1
+    """D: the bias used at step t + 1 moves by the agreed routing counts of step t + 1 - D (node/moe.py):
+    with D = 1 each step waits for every replica's counts of the step before (a per-step barrier); a
+    larger D lets replicas run up to D - 1 steps apart without waiting."""
+    stats_timeout_s: float = 2.0
+    """W of the per-step agreed set (node/sync/route_exchange.py): a step's counts count if stamped by the
+    store within W seconds of the quorum's; a replica missing for a step costs the others W + 2 s."""
+
+    def __post_init__(self) -> None:
+        check_finite(self)
+        check_range("model.moe.experts", self.experts, 0, MAX_EXPERTS)
+        check_range("model.moe.d_ff", self.d_ff, 0, _MODEL_BOUNDS["d_ff"])
+        check_range("model.moe.shared_experts", self.shared_experts, 0, 64)
+        check_range("model.moe.first_dense", self.first_dense, 0, _MODEL_BOUNDS["n_layers"])
+        check_range("model.moe.bias_rate", self.bias_rate, 0.0, 1.0)
+        check_range("model.moe.stats_delay", self.stats_delay, 1, MAX_STATS_DELAY)
+        check_range("model.moe.stats_timeout_s", self.stats_timeout_s, 0.0, 1e4)
+        if self.experts and not 1 <= self.top_k <= self.experts:
+            raise ValueError(
+                f"model.moe.top_k={self.top_k} must be in 1..experts={self.experts} (example: top_k = 2)"
+            )
+
+
 @dataclass(kw_only=True, frozen=True)
 class ModelSpec:
-    """A Llama-style decoder (RMSNorm, RoPE, SwiGLU); byte-level vocabulary by default."""
+    """A Llama-style decoder (RMSNorm, RoPE, SwiGLU); byte-level vocabulary by default; MoE blocks with
+    [model.moe]."""
 
     vocab: int = 256
     """Vocabulary size: 256 = raw bytes (loss in bits per token is bits per byte); with train.tokenizer,
@@ -70,6 +120,8 @@ class ModelSpec:
     """RoPE base frequency."""
     init_seed: int = 0
     """Seed of the initial weights; every replica starts from the same ones."""
+    moe: MoESpec = field(default_factory=MoESpec)
+    """Mixture-of-experts blocks ([model.moe]); none by default."""
 
     def __post_init__(self) -> None:
         check_finite(self)
@@ -81,12 +133,66 @@ class ModelSpec:
             raise ValueError(
                 f"model.d_model={self.d_model} must split into n_heads={self.n_heads} heads of even width (RoPE)"
             )
+        if self.moe.experts and self.moe.first_dense >= self.n_layers:
+            raise ValueError(
+                f"model.moe.first_dense={self.moe.first_dense} leaves none of the {self.n_layers} blocks MoE "
+                f"(blocks first_dense..n_layers-1 are; example: first_dense = 0)"
+            )
+
+    @property
+    def expert_d_ff(self) -> int:
+        """Each routed expert's SwiGLU width."""
+        return self.moe.d_ff or self.d_ff
+
+    def is_moe_layer(self, layer: int) -> bool:
+        """Whether block `layer` routes its tokens to experts."""
+        return self.moe.experts > 0 and layer >= self.moe.first_dense
+
+    def residual_writers(self, layer: int) -> list[str]:
+        """Names of block `layer`'s weights that write the residual stream (attention's wo, the MLP's
+        w_down: every expert's and the shared one's in an MoE block), which a subspace link confines; the
+        node builds them under these names (node/model.py) and export reads them by them."""
+        head = f"layers.{layer}"
+        if not self.is_moe_layer(layer):
+            return [f"{head}.attn.wo.weight", f"{head}.mlp.w_down.weight"]
+        experts = [f"{head}.mlp.experts.{e}.w_down.weight" for e in range(self.moe.experts)]
+        shared = [f"{head}.mlp.shared.w_down.weight"] if self.moe.shared_experts else []
+        return [f"{head}.attn.wo.weight", *experts, *shared]
+
+    @property
+    def moe_layers(self) -> list[int]:
+        """The MoE blocks, in order."""
+        return [i for i in range(self.n_layers) if self.is_moe_layer(i)]
+
+    def mlp_matrix_params(self, layer: int, *, active: bool = False) -> int:
+        """Parameters of block `layer`'s feed-forward matrices: the dense SwiGLU (3 d d_ff), or the router
+        (E d), the routed experts (E x 3 d f_e; active: only the top_k a token goes through) and the shared
+        SwiGLU (3 d x shared x f_e)."""
+        d = self.d_model
+        if not self.is_moe_layer(layer):
+            return 3 * d * self.d_ff
+        m, f = self.moe, self.expert_d_ff
+        routed = (m.top_k if active else m.experts) * 3 * d * f
+        return m.experts * d + routed + 3 * d * m.shared_experts * f
+
+    def layer_params(self, layer: int, *, active: bool = False) -> int:
+        """Parameters of block `layer`: attention (4 d^2), its feed-forward matrices, two RMSNorm gains;
+        active: those one token's forward pass multiplies by (an MoE block's top_k experts of E)."""
+        d = self.d_model
+        return 4 * d * d + self.mlp_matrix_params(layer, active=active) + 2 * d
 
     @property
     def n_params(self) -> int:
-        d, f = self.d_model, self.d_ff
-        per_layer = 4 * d * d + 3 * d * f + 2 * d
-        return self.n_layers * per_layer + 2 * self.vocab * d + d
+        """Every parameter: blocks, the embedding and head (V d each) and the final norm (d)."""
+        d = self.d_model
+        return sum(self.layer_params(i) for i in range(self.n_layers)) + 2 * self.vocab * d + d
+
+    @property
+    def n_active_params(self) -> int:
+        """The parameters one token's forward pass goes through (n_params for a dense model): what its
+        FLOPs per token count (6 N_active + attention) and MFU is measured on."""
+        d = self.d_model
+        return sum(self.layer_params(i, active=True) for i in range(self.n_layers)) + 2 * self.vocab * d + d
 
 
 @dataclass(kw_only=True, frozen=True)
@@ -663,6 +769,7 @@ def load_run_spec(path: str | Path, **overrides: Any) -> RunSpec:
 __all__ = [
     "RUN_ID_PATTERN",
     "ModelSpec",
+    "MoESpec",
     "OuterLoopSettings",
     "PipelineSpec",
     "ReplicaShape",

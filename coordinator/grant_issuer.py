@@ -6,6 +6,7 @@ credential (protocol/net/grants.py `Grantor`), for the node's (run, stage, repli
 r .. r + WINDOW - 1 from the node's round r = step // H:
 
 - each fragment's primary key of each round (protocol/keys.py `primary_fragment_key`);
+- an MoE run's routing records of each step of those rounds (`route_keys`);
 - each checkpointed round's manifest (one PUT) and tensors (one PUT, and a multipart upload when the
   estimate exceeds a part: parts = ceil(1.5 x estimate / part) + 1, the estimate 6 fp32 tensors a
   parameter: weights, anchor, two Adam moments, outer momentum, error feedback);
@@ -57,6 +58,19 @@ def checkpoint_parts(spec: RunSpec, stage: int, part_bytes: int, replica: int | 
     """Parts a stage's checkpoint grant holds: ceil(1.5 x estimated bytes / part_bytes) + 1."""
     estimate = stage_params(spec, stage, replica) * 4 * CKPT_TENSORS_PER_PARAM
     return math.ceil(CKPT_MARGIN * estimate / part_bytes) + 1
+
+
+def route_keys(spec: RunSpec, replica: int, stage: int, first: int, last: int) -> list[str]:
+    """An MoE run's per-step routing records (node/sync/route_exchange.py) of the steps of rounds
+    first..last-1, for each of the stage's layer groups holding MoE blocks (none for a dense model)."""
+    groups = spec.layer_groups()
+    moe = [
+        g
+        for g in spec.groups_of(replica, stage)
+        if any(spec.model.is_moe_layer(i) for i in range(*groups[g]))
+    ]
+    H, end = spec.sync.H, min(last * spec.sync.H, spec.train.total_steps)
+    return [keys.route_key(spec.run_id, g, step, replica) for step in range(first * H, end) for g in moe]
 
 
 class GrantIssuer:
@@ -147,6 +161,7 @@ class GrantIssuer:
         ckpt_rounds = [rnd for rnd in range(max(first, 1), last) if every > 0 and rnd % every == 0]
         puts += [keys.ckpt_manifest_key(rid, rnd=rnd, stage=stage, replica=replica) for rnd in ckpt_rounds]
         puts += [keys.ckpt_tensors_key(rid, rnd=rnd, stage=stage, replica=replica) for rnd in ckpt_rounds]
+        puts += route_keys(spec, replica, stage, first, last)
         puts.append(keys.report_key(rid, replica, stage))
         parts = checkpoint_parts(spec, stage, self.part_bytes, replica)
         uploads: list[MultipartGrant] = []

@@ -39,6 +39,10 @@ _FRAGMENT_OUTCOMES = {
 }
 
 
+_ROUTING = ("steps", "wait_s", "settle_s", "bytes_up", "bytes_down", "rejected", "missing", "not_published")
+"""WorkerMetrics.routing's figures (MoE runs: the routing statistics' per-step barrier)."""
+
+
 def _labels(m: WorkerMetrics) -> Labels:
     return (m.run_id, str(m.replica), str(m.stage))
 
@@ -56,6 +60,8 @@ def _counts(m: WorkerMetrics) -> _Totals:
         t.counters[name] = getattr(m, name)
     for outcome in PAIR_OUTCOMES:
         t.counters[f"pair_{outcome}"] = m.pair_exchanges.get(outcome, 0)
+    for name in _ROUTING:
+        t.counters[f"routing_{name}"] = m.routing.get(name, 0)  # type: ignore[assignment]  # wait_s: float
     for peer, (sent, recv) in m.link_bytes.items():
         t.link_bytes[(peer, "sent")] += sent
         t.link_bytes[(peer, "received")] += recv
@@ -166,7 +172,17 @@ def _assignment_families(live: WorkerMetrics) -> Iterable[Metric]:
         tps.add_metric(lv, live.tokens_per_s)
         for contributor, tokens in live.round_tokens.items():
             weights.add_metric([*lv, contributor], tokens)
-    yield from (step, total, loss, bpb, tps, weights)
+    load = GaugeMetricFamily(
+        "crucible_expert_load_ratio",
+        "MoE: max / mean tokens per expert of a layer in the last step (scope run: the agreed load of "
+        "every replica; local: this replica's own)",
+        labels=[*_RUN_LABELS, "layer", "scope"],
+    )
+    if live.run_id:
+        for scope, by_layer in (("run", live.expert_load), ("local", live.expert_load_local)):
+            for layer, ratio in sorted(by_layer.items()):
+                load.add_metric([*lv, layer, scope], ratio)
+    yield from (step, total, loss, bpb, tps, weights, load)
 
 
 def _counter_families(totals: dict[Labels, _Totals]) -> Iterable[Metric]:
@@ -189,6 +205,29 @@ def _counter_families(totals: dict[Labels, _Totals]) -> Iterable[Metric]:
         "butterfly pair exchanges by outcome (sync.topology = butterfly)",
         labels=[*_RUN_LABELS, "outcome"],
     )
+    routing_wait = CounterMetricFamily(
+        "crucible_routing_wait_seconds",
+        "MoE: seconds the stage waited for the routing statistics' agreed sets (the per-step barrier)",
+        labels=_RUN_LABELS,
+    )
+    routing_bytes = CounterMetricFamily(
+        "crucible_routing_bytes",
+        "MoE: bytes of routing statistics to and from the store",
+        labels=[*_RUN_LABELS, "direction"],
+    )
+    routing_records = CounterMetricFamily(
+        "crucible_routing_records",
+        "MoE: per-step routing records by outcome (steps: agreed sets applied)",
+        labels=[*_RUN_LABELS, "outcome"],
+    )
+    for lv3, t in sorted(totals.items()):
+        c = t.counters
+        routing_wait.add_metric(list(lv3), c["routing_wait_s"])
+        routing_bytes.add_metric([*lv3, "up"], c["routing_bytes_up"])
+        routing_bytes.add_metric([*lv3, "down"], c["routing_bytes_down"])
+        for outcome in ("steps", "rejected", "missing", "not_published"):
+            routing_records.add_metric([*lv3, outcome], c[f"routing_{outcome}"])
+    yield from (routing_wait, routing_bytes, routing_records)
     for lv3, t in sorted(totals.items()):
         for fieldname, outcome in _FRAGMENT_OUTCOMES.items():
             frags.add_metric([*lv3, outcome], t.counters[fieldname])

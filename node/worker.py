@@ -28,6 +28,7 @@ from node.inner_step import (
     prepare_stage,
 )
 from node.model import Stage, build_stage
+from node.moe import Balancer, Signers, stage_balancer
 from node.pipeline.acceptor import Acceptor
 from node.pipeline.hello_proof import find_sealed
 from node.pipeline.schedule import PipelineStage, StepStats
@@ -96,6 +97,18 @@ class WorkerMetrics:
     pair_sha256: dict[str, str] = field(default_factory=dict)
     """Butterfly: "group.fragment" -> "round:partner:sha256" of its newest pair result; both ends of a
     pair show the same digest for the same round."""
+    expert_load: dict[str, float] = field(default_factory=dict)
+    """MoE ([model.moe]): layer -> max / mean tokens per expert in the last agreed step's load, over the
+    run's replicas (1.0 = balanced); what the expert bias balances."""
+    expert_load_local: dict[str, float] = field(default_factory=dict)
+    """MoE: layer -> max / mean tokens per expert in this replica's own last step."""
+    expert_bias_history: list[tuple[int, str]] = field(default_factory=list)
+    """MoE: (step, sha256 of the stage's expert biases used at that step) of the last steps: every
+    replica's stage holding those layers shows the same digest at the same step (node/moe.py)."""
+    routing: dict[str, float] = field(default_factory=dict)
+    """MoE: the routing statistics' per-step barrier (node/sync/route_exchange.py): steps, wait_s (the
+    training time it stalled), settle_s (from a step's end until its set was final, in the background),
+    bytes_up, bytes_down, rejected, missing, not_published."""
     weights_sha256: str = ""
     group_sha256: dict[str, str] = field(default_factory=dict)
     """Layer group -> sha256 of this stage's final weights of that group (`group_digests`): equal in every
@@ -134,6 +147,17 @@ def group_signers(a: Assignment) -> GroupSigners:
             for g in a.group_peers
         },
     )
+
+
+def route_signers(spec: RunSpec, a: Assignment) -> Signers:
+    """Each of the stage's layer groups' signers by replica, and the former ones, from assignment `a`."""
+    gs = group_signers(a)
+    stage = {int(r): p for r, p in a.stage_peers.items()}
+    former = {int(r): set(p) for r, p in a.former_stage_peers.items()}
+    return {
+        g: ((gs["group_peers"] or {}).get(g, stage), (gs["former_group_peers"] or {}).get(g, former))
+        for g in spec.groups_of(a.replica, a.stage)
+    }
 
 
 def group_params(spec: RunSpec, names: list[str]) -> dict[int, list[int]]:
@@ -178,6 +202,8 @@ class _Setup:
     """The first stage's validation batches (None elsewhere)."""
     start: int
     """The inner step this replica starts from."""
+    balancer: Balancer | None = None
+    """MoE: the expert bias and its per-step barrier (None for a dense model, or a stage of dense blocks)."""
 
 
 @dataclass
@@ -224,6 +250,7 @@ class StageWorker:
         self.connect_timeout_s = connect_timeout_s
         self.prev: Link | None = None
         self.sync: OuterSync | None = None
+        self.balancer: Balancer | None = None
         self._aborted = threading.Event()
         self.next: Link | None = None
         self._resume: Checkpoint | None = None
@@ -304,6 +331,8 @@ class StageWorker:
         self.checkpoints.set_stage_peers(
             a.stage_peers, a.former_stage_peers, a.group_peers, a.former_group_peers
         )
+        if self.balancer is not None:
+            self.balancer.set_signers(route_signers(self.spec, a))
         if self.sync is not None:
             self.sync.set_stage_peers(
                 {int(r): p for r, p in a.stage_peers.items()},
@@ -329,6 +358,8 @@ class StageWorker:
         finally:
             self._close_links()
             st.sync.close()  # a checkpoint upload in flight finishes
+            if st.balancer is not None:
+                st.balancer.close()
         m.state = "done" if result == "done" else "idle"
         log.info("run %s r%d/s%d ended at step %d: %s", a.run_id, a.replica, a.stage, m.step, result)
         return result
@@ -392,7 +423,21 @@ class StageWorker:
         except BaseException:
             self._close_links()
             raise
-        return _Setup(module=module, opt=opt, sync=sync, pipe=pipe, corpus=corpus, val=val, start=start)
+        balancer = stage_balancer(  # MoE: the expert bias and its per-step barriers (None without MoE)
+            module, spec, self.store, self.identity, replica=a.replica, signers=route_signers(spec, a),
+            cancelled=self._cancelled,
+        )  # fmt: skip
+        self.balancer = balancer
+        return _Setup(
+            module=module,
+            opt=opt,
+            sync=sync,
+            pipe=pipe,
+            corpus=corpus,
+            val=val,
+            start=start,
+            balancer=balancer,
+        )
 
     def _outer_sync(self, module: Stage, opt: InnerOptimizer) -> OuterSync:
         """The stage's round owner, with the codec, aggregation and schedule the run's [sync] selects."""
@@ -460,6 +505,10 @@ class StageWorker:
                 step,
                 lambda: st.pipe.train_step(step, batch, spec.microbatches_of(a.replica)),  # noqa: B023
             )
+            # MoE: publish the step's routing counts, move the expert bias by the agreed ones (before a
+            # checkpoint, so it holds the bias the next step uses)
+            if st.balancer is not None and not st.balancer.step_done(step):
+                return self.should_stop() or "stopped waiting for routing statistics"
             outcome = st.sync.step_done(step + 1)  # the round owner: outer sync, round end, checkpoint
             self._count_step(step + 1, stats, clock)
             self._update_io(st.sync)
@@ -541,6 +590,9 @@ class StageWorker:
             sync.stats.late_expired,
         )
         m.round_tokens = {str(r): t for r, t in sorted(sync.stats.last_tokens.items())}
+        if self.balancer is not None:
+            for name, value in self.balancer.figures().items():
+                setattr(m, name, value)
         if sync.pairs is not None:
             ps = sync.pairs.stats
             m.pair_exchanges = {k: getattr(ps, k) for k in PAIR_OUTCOMES}

@@ -98,6 +98,18 @@ def control_key(run: str) -> str:
     return f"{run}/control"
 
 
+def route_prefix(run: str, group: int, step: int) -> str:
+    """Where every replica's routing counts of one inner step of one layer group live (issue 24)."""
+    return f"{run}/route/g{group}/t{step:09d}/"
+
+
+def route_key(run: str, group: int, step: int, replica: int) -> str:
+    """Replica `replica`'s signed RouteCounts of one step (node/sync/route_exchange.py): one key per slot,
+    written once by whichever of the slot's nodes trains that step first, so its bytes and its store
+    timestamp are fixed the moment a reader sees them (a replayed step finds its predecessor's)."""
+    return f"{route_prefix(run, group, step)}r{replica}"
+
+
 def sync_prefix(run: str, stage: int, frag: int, rnd: int) -> str:
     return f"{run}/sync/s{stage}/f{frag}/r{rnd}/"
 

@@ -490,6 +490,47 @@ class RoundRecord:
             raise ValueError("RoundRecord.entries must name each replica at most once, in replica order")
 
 
+MAX_ROUTE_BYTES = 1 << 20
+"""A RouteCounts' counts: 4 bytes per (MoE layer, expert), e.g. 16 layers x 256 experts = 16 KiB; 1 MiB
+bounds what a reader decodes."""
+
+
+@dataclass(kw_only=True, frozen=True)
+class RouteCounts:
+    """One replica's routing statistics of one inner step of one layer group (issue 24): for each MoE layer
+    of the group, the tokens its router sent to each expert (node/moe.py). Signed by a node of the slot and
+    written once at `keys.route_key`; the step's agreed set of them moves every replica's expert bias
+    alike (node/sync/route_exchange.py)."""
+
+    run_id: str
+    group: int
+    step: int
+    """The inner step (0-based) whose forward passes routed these tokens."""
+    replica: int
+    tokens: int
+    """Tokens the step trained on (each is routed to top_k experts in each layer)."""
+    experts: int
+    layers: list[int]
+    """The group's MoE layers, ascending."""
+    counts: bytes
+    """len(layers) x experts little-endian uint32, layer-major."""
+
+    def __post_init__(self) -> None:
+        check_run_id("RouteCounts.run_id", self.run_id)
+        for name in ("group", "step", "tokens"):
+            check_range(f"RouteCounts.{name}", getattr(self, name), 0, MAX_COUNT)
+        check_range("RouteCounts.replica", self.replica, 0, MAX_REPLICAS - 1)
+        check_range("RouteCounts.experts", self.experts, 1, 1 << 12)
+        if self.layers != sorted(set(self.layers)) or any(not 0 <= x < 1 << 12 for x in self.layers):
+            raise ValueError(f"RouteCounts.layers={describe(self.layers)} must be distinct layers, ascending")
+        want = 4 * len(self.layers) * self.experts
+        if len(self.counts) != want or want > MAX_ROUTE_BYTES:
+            raise ValueError(
+                f"RouteCounts.counts holds {len(self.counts)} bytes; {len(self.layers)} layers x "
+                f"{self.experts} experts need {want} (at most {MAX_ROUTE_BYTES})"
+            )
+
+
 MAX_META_ENTRIES = 64
 """Entries in a checkpoint's `meta` (data position, seeds, counters): a few are needed, 64 bound the manifest."""
 MAX_STORE_KEY = 1024

@@ -91,6 +91,27 @@ def decide(
     return Decision(members, deadline, now_s >= cutoff + margin_s, cutoff + margin_s, cutoff)
 
 
+def decide_step(
+    stamps: dict[int, int],
+    live: set[int],
+    *,
+    quorum: int,
+    window_s: int,
+    now_s: int,
+    margin_s: int = STORE_MARGIN_S,
+) -> Decision:
+    """The agreed set of one inner step's small records (issue 24: the routing counts of
+    node/sync/route_exchange.py), by `decide`'s arithmetic, with one difference that makes a per-step
+    barrier cheap: each slot has exactly one key per step, written once, so the moment every live slot's
+    record is in (valid), no later LIST can change a t_r, the q-th arrival or S, and the set is final at
+    once instead of M seconds after the last arrival. With a slot missing it is final as `decide`'s is,
+    at C + M with C = D."""
+    d = decide(stamps, live, quorum=quorum, window_s=window_s, now_s=now_s, margin_s=margin_s)
+    if d.deadline_s is not None and live and live <= set(stamps):
+        return Decision(d.members, d.deadline_s, True, now_s, d.cutoff_s)
+    return d
+
+
 def late_entries(stamps: dict[int, int], live: set[int], *, cutoff_s: int, before: list[int]) -> set[int]:
     """L_R(R - b): the live slots whose round R - b fragment (`stamps`, slot -> t_j(R - b), its first valid
     one) is stamped by round R's cutoff C_R and after every cutoff from its own round's to the last one's
@@ -99,4 +120,4 @@ def late_entries(stamps: dict[int, int], live: set[int], *, cutoff_s: int, befor
     return {j for j, t in stamps.items() if j in live and t <= cutoff_s and all(t > c for c in before)}
 
 
-__all__ = ["STORE_MARGIN_S", "Decision", "decide", "late_entries", "majority"]
+__all__ = ["STORE_MARGIN_S", "Decision", "decide", "decide_step", "late_entries", "majority"]

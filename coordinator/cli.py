@@ -175,7 +175,10 @@ def build_parser() -> argparse.ArgumentParser:
 
     ex = sub.add_parser(
         "export",
-        help="write a run's consensus as a Hugging Face Llama folder (model.safetensors + config.json)",
+        help=(
+            "write a run's consensus as a Hugging Face folder (model.safetensors + config.json): a Llama, "
+            "or a GLM-4-MoE for an MoE run"
+        ),
         epilog=f"example: {PROG} export my-run --out ./my-run-hf --operator-key 12D3KooW... "
         "--store-endpoint http://127.0.0.1:9000",
     )

@@ -1,8 +1,19 @@
-"""Export a run's consensus as a Hugging Face Llama checkpoint: `model.safetensors` + `config.json`.
+"""Export a run's consensus as a Hugging Face checkpoint: `model.safetensors` + `config.json`.
 
 The stages of the consensus (one state dict per stage, as `node.model.build_stage(...).state_dict()`
-names them) are merged into the parameters of `transformers.LlamaForCausalLM`, which loads the folder
+names them) are merged into the parameters of `transformers.LlamaForCausalLM`, or, for a run with
+mixture-of-experts blocks ([model.moe]), of `transformers.Glm4MoeForCausalLM`, which load the folder
 offline. Nothing here imports `transformers`: the export runs on coordinator hosts without it.
+
+An MoE block (node/model.py `Router`, `MoE`) routes as DeepSeek-V3 and GLM-4.5 do: s = sigmoid(W_r x) in
+fp32, the top_k experts of s + b chosen, their s normalized to sum 1. That is GLM-4-MoE with n_group =
+topk_group = 1, norm_topk_prob, routed_scaling_factor 1 and the expert bias b as `e_score_correction_bias`;
+its blocks before first_k_dense_replace = moe.first_dense are dense SwiGLUs of intermediate_size = d_ff,
+its experts SwiGLUs of moe_intermediate_size, and GLM's always-built shared SwiGLU (width
+n_shared_experts x moe_intermediate_size) is ours, or zero-wide when we have none. The expert bias is a
+buffer, not a parameter: a checkpoint holds it under "model." only, outside the anchor digest two replicas
+sign, so `consensus_states` also asks two nodes' checkpoints to hold it bit for bit (node/moe.py moves it
+alike on every replica).
 
 What the crucible model computes that HF Llama does not, and how it is folded (DESIGN section 4,
 Subspace Networks, arXiv 2506.01260):
@@ -60,7 +71,7 @@ from protocol.codecs.subspace import basis, subspace_plan, token_table
 from protocol.messages import Assignment
 from protocol.net.store import ObjectStore
 from protocol.pairing import vouched_base
-from protocol.runspec import RunSpec
+from protocol.runspec import ModelSpec, RunSpec
 from protocol.trust.assignment_archive import read_archive
 from protocol.trust.delegation import OperatorTrust
 
@@ -70,6 +81,9 @@ OFF_SPAN_TOL = 1e-3
 """Largest ||W - U_k U_k^T W|| / ||W|| a constrained weight may have before the export refuses it. A
 consensus is projected after every step (off-span ~1e-7, fp32 rounding); weights of another projection
 seed or link_k are ~sqrt(1 - k/d) off the span."""
+
+EXPERT_BIAS = "mlp.router.expert_bias"
+"""An MoE block's expert bias, within layers.{i}.: a float32 buffer of shape (E,), no anchor of its own."""
 
 # crucible name (within layers.{i}.) -> HF name (within model.layers.{i}.)
 LAYER_NAMES = {
@@ -88,6 +102,14 @@ TOP_NAMES = {
     "norm.weight": "model.norm.weight",
     "head.weight": "lm_head.weight",
 }
+SWIGLU_NAMES = {
+    "w_gate.weight": "gate_proj.weight",
+    "w_up.weight": "up_proj.weight",
+    "w_down.weight": "down_proj.weight",
+}
+# an MoE block's (within layers.{i}.mlp.) -> Glm4MoeForCausalLM's (within model.layers.{i}.mlp.)
+ROUTER_NAMES = {"router.weight": "gate.weight", "router.expert_bias": "gate.e_score_correction_bias"}
+SWIGLU_HOLDERS = {"experts": "experts", "shared": "shared_experts"}
 
 
 def export_parts(spec: RunSpec) -> list[tuple[int, int]]:
@@ -98,29 +120,50 @@ def export_parts(spec: RunSpec) -> list[tuple[int, int]]:
     return spec.layer_groups() if spec.mixed_layout else spec.layer_ranges()
 
 
-def expected_shapes(spec: RunSpec, stage: int) -> dict[str, tuple[int, ...]]:
-    """Parameter name -> shape of part `stage` of `spec` (`export_parts`: a stage, or a layer group of a
-    mixed-layout run), as build_stage names them (global layer ids)."""
-    m = spec.model
-    d, f, V = m.d_model, m.d_ff, m.vocab
-    ranges = export_parts(spec)
-    start, end = ranges[stage]
-    per_layer = {
+def _swiglu_shapes(prefix: str, d: int, f: int) -> dict[str, tuple[int, ...]]:
+    return {
+        f"{prefix}w_gate.weight": (f, d),
+        f"{prefix}w_up.weight": (f, d),
+        f"{prefix}w_down.weight": (d, f),
+    }
+
+
+def layer_shapes(m: ModelSpec, layer: int) -> dict[str, tuple[int, ...]]:
+    """Name (within layers.{layer}.) -> shape of block `layer`'s state dict (node/model.py `Block`): the
+    attention and norms, then a dense SwiGLU, or an MoE block's router, expert bias (a buffer), E experts
+    and shared SwiGLU (when moe.shared_experts > 0)."""
+    d = m.d_model
+    shapes: dict[str, tuple[int, ...]] = {
         "attn_norm.weight": (d,),
         "attn.wq.weight": (d, d),
         "attn.wk.weight": (d, d),
         "attn.wv.weight": (d, d),
         "attn.wo.weight": (d, d),
         "mlp_norm.weight": (d,),
-        "mlp.w_gate.weight": (f, d),
-        "mlp.w_up.weight": (f, d),
-        "mlp.w_down.weight": (d, f),
     }
+    if not m.is_moe_layer(layer):
+        return shapes | _swiglu_shapes("mlp.", d, m.d_ff)
+    E, f = m.moe.experts, m.expert_d_ff
+    shapes |= {"mlp.router.weight": (E, d), EXPERT_BIAS: (E,)}
+    for e in range(E):
+        shapes |= _swiglu_shapes(f"mlp.experts.{e}.", d, f)
+    if m.moe.shared_experts:
+        shapes |= _swiglu_shapes("mlp.shared.", d, m.moe.shared_experts * f)
+    return shapes
+
+
+def expected_shapes(spec: RunSpec, stage: int) -> dict[str, tuple[int, ...]]:
+    """State name -> shape of part `stage` of `spec` (`export_parts`: a stage, or a layer group of a
+    mixed-layout run), as build_stage names them (global layer ids): its parameters and expert biases."""
+    m = spec.model
+    d, V = m.d_model, m.vocab
+    ranges = export_parts(spec)
+    start, end = ranges[stage]
     shapes: dict[str, tuple[int, ...]] = {}
     if stage == 0:
         shapes["embed.weight"] = (V, d)
     for layer in range(start, end):
-        shapes.update({f"layers.{layer}.{name}": shape for name, shape in per_layer.items()})
+        shapes.update({f"layers.{layer}.{name}": shape for name, shape in layer_shapes(m, layer).items()})
     if stage == len(ranges) - 1:
         shapes["norm.weight"] = (d,)
         shapes["head.weight"] = (V, d)
@@ -197,8 +240,9 @@ def _project(
 def fold_to_llama(
     spec: RunSpec, state: dict[str, torch.Tensor], origin: str | None = None
 ) -> dict[str, torch.Tensor]:
-    """Crucible parameters (merged, float32) -> LlamaForCausalLM's state dict (see the module docstring).
-    origin: names the checkpoint when `spec` is its run's own (see `_project`)."""
+    """Crucible state (merged, float32) -> LlamaForCausalLM's state dict, or Glm4MoeForCausalLM's for an
+    MoE run (see the module docstring). origin: names the checkpoint when `spec` is its run's own (see
+    `_project`)."""
     m = spec.model
     d, hd = m.d_model, m.d_model // m.n_heads
     state = dict(state)
@@ -207,8 +251,7 @@ def fold_to_llama(
         seed = spec.pipeline.projection_seed
         U = basis(d, max(write_k.values()), seed)  # (d, k_max); nested: U[:, :k] is the basis of width k
         for layer, k in write_k.items():
-            for writer in ("attn.wo.weight", "mlp.w_down.weight"):
-                name = f"layers.{layer}.{writer}"
+            for name in m.residual_writers(layer):
                 state[name] = _project(name, state[name], U[:, :k], False, seed, origin)
         E = _project("embed.weight", state["embed.weight"], U[:, :embed_k], True, seed, origin)  # (V, d)
         state["embed.weight"] = E + token_table(m.vocab, d, seed, embed_k)  # h_0 = E[x] + T[x]
@@ -221,10 +264,33 @@ def fold_to_llama(
             _, i, rest = name.split(".", 2)
             if rest in ("attn.wq.weight", "attn.wk.weight"):
                 t = t[perm]
-            out[f"model.layers.{i}.{LAYER_NAMES[rest]}"] = t.contiguous()
+            out[f"model.layers.{i}.{hf_layer_name(rest)}"] = t.contiguous()
         else:
             out[TOP_NAMES[name]] = t.contiguous()
+    if not m.moe.shared_experts:
+        # GLM builds a shared SwiGLU in every MoE block: ours is none, so zero-wide (n_shared_experts = 0:
+        # adds exactly 0), written as its save_pretrained writes it, so a load finds no key missing
+        for layer in m.moe_layers:
+            for name, shape in _swiglu_shapes("", d, 0).items():
+                out[f"model.layers.{layer}.mlp.shared_experts.{SWIGLU_NAMES[name]}"] = torch.zeros(shape)
     return out
+
+
+def hf_layer_name(rest: str) -> str:
+    """A block's state name (within layers.{i}.) -> HF's (within model.layers.{i}.): Llama's for the
+    attention, the norms and a dense SwiGLU (GLM-4-MoE's are the same); GLM-4-MoE's for an MoE block's
+    router and SwiGLUs, one 2-D matrix per expert (`experts.{e}.gate_proj.weight`), as transformers 5's
+    `save_pretrained` writes them (it stacks them on load) and the GLM-4.5 checkpoints hold them."""
+    if rest in LAYER_NAMES:
+        return LAYER_NAMES[rest]
+    mlp = rest.removeprefix("mlp.")
+    if mlp in ROUTER_NAMES:
+        return f"mlp.{ROUTER_NAMES[mlp]}"
+    holder, _, tail = mlp.partition(".")
+    if holder == "experts":
+        e, _, tail = tail.partition(".")
+        return f"mlp.experts.{e}.{SWIGLU_NAMES[tail]}"
+    return f"mlp.{SWIGLU_HOLDERS[holder]}.{SWIGLU_NAMES[tail]}"
 
 
 def llama_config(spec: RunSpec) -> dict[str, object]:
@@ -257,12 +323,55 @@ def llama_config(spec: RunSpec) -> dict[str, object]:
     }
 
 
+def glm4_moe_config(spec: RunSpec) -> dict[str, object]:
+    """config.json for Glm4MoeConfig: Llama's (`llama_config`) plus the routing of the module docstring.
+    RoPE rotates each head whole: partial_rotary_factor 1 (GLM's default is 0.5), written at the top (4.x)
+    and in rope_parameters (5.x). No multi-token-prediction layers (num_nextn_predict_layers, 5.x's
+    num_mtp_layers, 0). Raises ValueError for one routed expert: GLM's router (n_group = 1) ranks its
+    group by the top two experts' scores, which one expert does not have."""
+    m = spec.model
+    moe = m.moe
+    if moe.experts < 2:
+        raise ValueError(
+            f"run {spec.run_id}: model.moe.experts={moe.experts}; Glm4MoeForCausalLM's router needs at least "
+            "2 routed experts (it ranks expert groups by their top two scores), so this run cannot be exported"
+        )
+    llama = {k: v for k, v in llama_config(spec).items() if k != "mlp_bias"}
+    rope = llama["rope_parameters"]
+    assert isinstance(rope, dict)
+    return {
+        **llama,
+        "architectures": ["Glm4MoeForCausalLM"],
+        "model_type": "glm4_moe",
+        "partial_rotary_factor": 1.0,
+        "rope_parameters": {**rope, "partial_rotary_factor": 1.0},
+        "moe_intermediate_size": m.expert_d_ff,
+        "n_routed_experts": moe.experts,
+        "num_experts_per_tok": moe.top_k,
+        "n_shared_experts": moe.shared_experts,
+        "n_group": 1,
+        "topk_group": 1,
+        "norm_topk_prob": True,
+        "routed_scaling_factor": 1.0,
+        "first_k_dense_replace": moe.first_dense,
+        "use_qk_norm": False,
+        "num_nextn_predict_layers": 0,
+    }
+
+
+def hf_config(spec: RunSpec) -> dict[str, object]:
+    """config.json of the export: GLM-4-MoE's for a run with MoE blocks, Llama's otherwise."""
+    return glm4_moe_config(spec) if spec.model.moe.experts else llama_config(spec)
+
+
 def export_llama(
     spec: RunSpec, stage_states: list[dict[str, torch.Tensor]], out_dir: Path, origin: str | None = None
 ) -> None:
     """Merge the consensus stages of `spec` into `out_dir`/model.safetensors + config.json (float32), loadable
-    offline with `transformers.LlamaForCausalLM.from_pretrained(out_dir)`. Each file is written to a
-    temporary name first and renamed, so a reader never sees half a checkpoint."""
+    offline with `transformers.AutoModelForCausalLM.from_pretrained(out_dir)`: a LlamaForCausalLM, or a
+    Glm4MoeForCausalLM for an MoE run. Each file is written to a temporary name first and renamed, so a
+    reader never sees half a checkpoint."""
+    config = hf_config(spec)
     tensors = fold_to_llama(spec, merge_stages(spec, stage_states), origin)
     out_dir = Path(out_dir)
     out_dir.mkdir(parents=True, exist_ok=True)
@@ -271,14 +380,15 @@ def export_llama(
     save_file(tensors, str(tmp), metadata=meta)
     os.replace(tmp, out_dir / "model.safetensors")
     tmp = out_dir / "config.json.tmp"
-    tmp.write_text(json.dumps(llama_config(spec), indent=2) + "\n")
+    tmp.write_text(json.dumps(config, indent=2) + "\n")
     os.replace(tmp, out_dir / "config.json")
 
 
 # --- from the store: the consensus of a round, verified --------------------------------------------
 def stage_state(tensors: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
     """A stage's consensus state dict from a checkpoint: the module's entries ("model.*"), parameters
-    replaced by the consensus anchor ("anchor.*", without the replica's local drift)."""
+    replaced by the consensus anchor ("anchor.*", without the replica's local drift). Buffers (an MoE
+    block's expert bias) have no anchor: theirs is the module's, vouched for by `_BiasWitnesses`."""
     state = {k[len("model.") :]: v for k, v in tensors.items() if k.startswith("model.")}
     state.update({k[len("anchor.") :]: v for k, v in tensors.items() if k.startswith("anchor.")})
     return state
@@ -412,6 +522,31 @@ def _with_quorum(
     return out
 
 
+class _BiasWitnesses:
+    """The expert biases (node/moe.py) that the checkpoints of one agreed anchor hold, by signer. The digest
+    two replicas sign covers the parameters' anchors only, and the bias is a buffer under "model.", so one
+    node could change it alone: a state counts once two different nodes' checkpoints hold its biases bit for
+    bit, as every honest replica's do (a state without MoE blocks counts at once)."""
+
+    def __init__(self) -> None:
+        self.seen: dict[tuple[tuple[str, str], ...], set[bytes]] = {}
+
+    def vouched(self, signer: bytes, state: dict[str, torch.Tensor]) -> bool:
+        biases = tuple((n, tensor_sha256(state[n])) for n in sorted(state) if n.endswith(EXPERT_BIAS))
+        if not biases:
+            return True
+        held = self.seen.setdefault(biases, set())
+        held.add(signer)
+        return len(held) >= 2
+
+    def explain(self, where: str, why: list[str]) -> None:
+        if self.seen:
+            why.append(
+                f"{where}: no two nodes' checkpoints of the agreed anchor hold the same expert bias "
+                f"({len(self.seen)} different one(s) among {sum(len(s) for s in self.seen.values())} read)"
+            )
+
+
 def _read_agreed(
     store: ObjectStore,
     spec: RunSpec,
@@ -422,8 +557,10 @@ def _read_agreed(
     why: list[str],
 ) -> dict[str, torch.Tensor] | None:
     """The consensus state of `stage` at `rnd` from the first agreed checkpoint whose tensors verify and hold
-    the digest its group signs; None (reasons in `why`)."""
+    the digest its group signs and, under a quorum, whose expert biases another node's such checkpoint holds
+    alike (`_BiasWitnesses`: a second download for a stage of MoE blocks); None (reasons in `why`)."""
     for digest, group in agreed:
+        witnesses = _BiasWitnesses()
         for replica, m in group:
             ck = _read_pinned(store, spec, stage, replica, rnd, signers, m, why)
             if ck is None:
@@ -434,7 +571,10 @@ def _read_agreed(
                     "manifest signs"
                 )
                 continue
-            return stage_state(ck.tensors)
+            state = stage_state(ck.tensors)
+            if digest is None or witnesses.vouched(m.signer, state):
+                return state
+        witnesses.explain(f"round {rnd} stage {stage}", why)
     return None
 
 
@@ -552,9 +692,11 @@ def _read_group(
     why: list[str],
 ) -> dict[str, torch.Tensor] | None:
     """Layer group `g`'s consensus state at `rnd`: its parameters from the first agreed checkpoint whose
-    tensors verify and hold the digest of g its entry signs (one already read for another group first);
+    tensors verify and hold the digest of g its entry signs (one already read for another group first) and,
+    under a quorum, whose expert biases of g another node's such checkpoint holds alike (`_BiasWitnesses`);
     None (reasons in `why`)."""
     for digest, group in agreed:
+        witnesses = _BiasWitnesses()
         slots = sorted(((spec.stage_of_group(r, g), r), m) for r, m in group)
         for (stage, replica), m in sorted(slots, key=lambda sm: sm[0] not in loaded):
             if (stage, replica) not in loaded:
@@ -569,7 +711,10 @@ def _read_group(
                     f"{_group_name(spec, g)} its manifest signs"
                 )
                 continue
-            return {name: t for name, t in state.items() if param_group(spec, name) == g}
+            mine = {name: t for name, t in state.items() if param_group(spec, name) == g}
+            if digest is None or witnesses.vouched(m.signer, mine):
+                return mine
+        witnesses.explain(f"round {rnd} {_group_name(spec, g)}", why)
     return None
 
 
@@ -597,7 +742,8 @@ def _pair_consensus(
     checkpoints of both ends of a pair hold alike at the round, signed by two different nodes, each a signer
     of its own slot (protocol/pairing.py `vouched_base`; the newest exchange wins). The default round is the
     newest checkpointed one at which two replicas checkpointed the first stage, and the rounds below it are
-    tried until every parameter is vouched for; a named round is tried alone."""
+    tried until every parameter is vouched for; a named round is tried alone. An expert bias (a buffer: no
+    pair base, alike on every replica) is taken as two different nodes' checkpoints hold it (`_held_alike`)."""
     signers = {stage: slot_signers(assigned, stage) for stage in range(spec.max_stages)}
     why: list[str] = []
 
@@ -611,18 +757,27 @@ def _pair_consensus(
 
     for r in _rounds_to_try(spec, rnd, counts):
         held: dict[str, dict[int, tuple[str, dict[int, tuple[int, str]], Checkpoint]]] = {}
+        read: list[tuple[bytes, Checkpoint]] = []
         for rep in range(spec.replicas):
             for stage in range(spec.stages_of(rep)):
                 m = _manifest(store, spec, stage, rep, r, signers[stage], why)
                 ck = None if m is None else _read_pinned(store, spec, stage, rep, r, signers[stage], m, why)
                 if m is None or ck is None:
                     continue
+                read.append((m.signer, ck))
                 for name, by_partner in _pair_bases(ck.tensors).items():
                     held.setdefault(name, {})[rep] = (m.signer.hex(), by_partner, ck)
         states: list[dict[str, torch.Tensor]] = []
         for part in range(len(export_parts(spec))):
             state: dict[str, torch.Tensor] = {}
             for name in expected_shapes(spec, part):
+                if name.endswith(EXPERT_BIAS):
+                    bias = _held_alike(f"model.{name}", read)
+                    if bias is None:
+                        why.append(f"round {r}: no two nodes' checkpoints hold the same {name}")
+                        break
+                    state[name] = bias
+                    continue
                 holders = held.get(name, {})
                 chosen = vouched_base({rep: (sg, bp) for rep, (sg, bp, _) in holders.items()})
                 if chosen is None:
@@ -640,6 +795,21 @@ def _pair_consensus(
         f"run {spec.run_id}: no round at which both ends of a pair checkpointed the same pair base of every "
         f"parameter ({'; '.join(why[-4:]) or 'no checkpoints'})"
     )
+
+
+def _held_alike(key: str, read: list[tuple[bytes, Checkpoint]]) -> torch.Tensor | None:
+    """Tensor `key` as the checkpoints of two different signers in `read` hold it bit for bit; None if none
+    do."""
+    signers: dict[str, set[bytes]] = {}
+    for signer, ck in read:
+        t = ck.tensors.get(key)
+        if t is None:
+            continue
+        held = signers.setdefault(tensor_sha256(t), set())
+        held.add(signer)
+        if len(held) >= 2:
+            return t
+    return None
 
 
 def _pair_bases(tensors: dict[str, torch.Tensor]) -> dict[str, dict[int, tuple[int, str]]]:

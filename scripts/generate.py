@@ -2,8 +2,8 @@
 
   python -m scripts.generate runs/<run id>/hf --prompt "def " [--tokens 200] [--temperature 0.8] [--greedy]
 
-Loads the folder with `transformers.LlamaForCausalLM.from_pretrained` (offline) and samples one token at a
-time over a window of the model's context (`max_position_embeddings`, the run's seq_len). Byte-level runs
+Loads the folder with `transformers.AutoModelForCausalLM.from_pretrained` (offline; a Llama, or a GLM-4-MoE
+for an MoE run) and samples one token at a time over a window of the model's context (`max_position_embeddings`, the run's seq_len). Byte-level runs
 (no tokenizer.json in the folder) encode the prompt as UTF-8 bytes; with a tokenizer.json beside the
 weights, its ids. Prints the prompt and the continuation.
 """
@@ -72,7 +72,7 @@ def load(folder: Path) -> tuple[torch.nn.Module, int]:
         )
     import transformers
 
-    model = transformers.LlamaForCausalLM.from_pretrained(
+    model = transformers.AutoModelForCausalLM.from_pretrained(
         folder, dtype=torch.float32, local_files_only=True
     ).eval()
     context = int(json.loads((folder / "config.json").read_text())["max_position_embeddings"])

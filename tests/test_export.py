@@ -78,7 +78,7 @@ def pipeline_logits(spec: RunSpec, stages: list[Stage], tokens: torch.Tensor) ->
 def hf_logits(out: Path, tokens: torch.Tensor) -> torch.Tensor:
     import transformers  # here, not at import: the offline fixture's environment is set by now
 
-    model = transformers.LlamaForCausalLM.from_pretrained(
+    model = transformers.AutoModelForCausalLM.from_pretrained(  # Llama, or GLM-4-MoE for an MoE run
         out, attn_implementation="eager", dtype=torch.float32, local_files_only=True
     ).eval()
     with torch.no_grad():

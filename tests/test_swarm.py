@@ -17,6 +17,7 @@ import torch
 
 from coordinator.export import consensus_states, export_llama
 from node.model import build_stage
+from node.moe import bias_digest
 from node.subspace_model import constrain_stage, off_subspace
 from node.sync.outer_sync import FragmentId
 from node.sync.sparseloco_sync import SparseLoCoCodec
@@ -220,6 +221,87 @@ def test_two_outer_rounds_identical_consensus(
 
     out = wait_until(cli_status, 60, "`crucible-coordinator status` to show swarm-a done", poll_s=2)
     assert out.count("swarm-a") >= 5  # the run line and its 4 nodes
+
+
+MOE_EXAMPLE = Path(__file__).resolve().parents[1] / "docs" / "examples" / "run_moe.toml"
+
+
+def test_moe_run_balances_experts_alike_on_every_replica_and_exports(
+    swarm: Swarm, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Issue 24 acceptance 1 and 4: docs/examples/run_moe.toml (8 experts, top-2, every block an MoE; SparseLoCo)
+    as a 2 x 2 run. Every replica's stage moves its expert bias by the same agreed routing counts after
+    every step: the bias digests of the two replicas' stages are equal at every step both report (and
+    moved), the consensus is identical (the weights digest includes the bias), the per-step barrier's
+    sets took both replicas every step, and the expert load is in /status and /metrics. The export loads
+    in transformers with the consensus model's logits."""
+    run_id, steps = "swarm-moe", 20
+    text = (
+        MOE_EXAMPLE.read_text()
+        .replace('run_id = "tiny-moe-1"', f'run_id = "{run_id}"')
+        .replace("total_steps = 60", f"total_steps = {steps}")
+        .replace("H = 10", "H = 5")
+    )
+    toml = tmp_path / "run.toml"
+    toml.write_text(text)
+    spec = load_run_spec(toml)
+    assert spec.model.moe.experts == 8 and spec.model.moe.top_k == 2 and spec.sync.method == "sparseloco"
+    while sum(c.alive for c in swarm.nodes) < 4:
+        swarm.respawn_node()
+    swarm.launch(toml)
+
+    def finished():
+        ms = run_metrics(swarm, run_id)
+        return len(ms) == 4 and all(m["state"] == "done" for m in ms) and ms
+
+    ms = wait_until(finished, 300, f"{run_id} to finish")
+    for stage in (0, 1):
+        pair = [m for m in ms if m["stage"] == stage]
+        assert len({m["weights_sha256"] for m in pair}) == 1, f"stage {stage}: consensus differs"
+        histories = [dict(m["expert_bias_history"]) for m in pair]
+        common = sorted(set(histories[0]) & set(histories[1]))
+        assert len(common) >= steps - 2, (stage, common)
+        for step in common:  # the balancing state, bit for bit, at every step both report
+            assert histories[0][step] == histories[1][step], f"stage {stage} step {step}: biases differ"
+        assert len({histories[0][s] for s in common}) > 1, "the expert bias never moved"
+        layers = [str(i) for i in range(*spec.layer_ranges()[stage])]
+        for m in pair:
+            r = m["routing"]
+            assert r["steps"] == steps and r["missing"] == 0 and r["rejected"] == 0, r
+            assert r["bytes_up"] > 0 and r["bytes_down"] > 0 and r["wait_s"] >= 0
+            assert sorted(m["expert_load"]) == layers and all(v >= 1.0 for v in m["expert_load"].values())
+    last = [m for m in ms if m["stage"] == 1]
+    assert all(m["val_history"][-1][1] < m["val_history"][0][1] for m in last)
+    slots = _slots(swarm, run_id)
+    sampled = scrape(f"{swarm.health[slots[(0, 1)]]}/metrics")
+    loads = [(lab, v) for lab, v in sampled["crucible_expert_load_ratio"] if lab["run"] == run_id]
+    assert {lab["layer"] for lab, _ in loads} == {"2", "3"} and all(v >= 1.0 for _, v in loads)
+    waited = [v for lab, v in sampled["crucible_routing_wait_seconds_total"] if lab["run"] == run_id]
+    assert waited and waited[0] >= 0
+
+    # acceptance 4: `crucible-coordinator export` writes a GLM-4-MoE folder (expert bias included) that
+    # transformers loads, and its logits are the swarm's consensus model's
+    line = swarm.export(run_id, tmp_path / "hf")
+    assert f"round {steps // 5}" in line, line
+    store = ObjectStore(StoreConfig(endpoint_url=swarm.store_url, bucket="crucible"))
+    spec, _, states = consensus_states(store, run_id, {swarm.operator.public_key})
+    stages = []
+    for s, state in enumerate(states):
+        stage = build_stage(spec.model, spec.layer_ranges(), s)
+        constrain_stage(stage, spec.model, spec.pipeline, spec.layer_ranges(), s)
+        stage.load_state_dict(state)
+        # the export's bias is the one both replicas used for the step after the last (the subspace link's
+        # constrained weights are projected on each node, so their local bits may differ from the
+        # anchor's: the logits below compare the models)
+        reported = {tuple(m["expert_bias_history"][-1]) for m in ms if m["stage"] == s}
+        assert reported == {(steps, bias_digest(stage))}, reported
+        stages.append(stage.eval())
+    assert json.loads((tmp_path / "hf" / "config.json").read_text())["model_type"] == "glm4_moe"
+    monkeypatch.setenv("HF_HUB_OFFLINE", "1")
+    monkeypatch.setenv("TRANSFORMERS_OFFLINE", "1")
+    tokens = sample_tokens(spec)
+    diff = (hf_logits(tmp_path / "hf", tokens) - pipeline_logits(spec, stages, tokens)).abs().max().item()
+    assert diff <= 1e-4, diff
 
 
 def test_metrics_dashboard_and_bad_requests(swarm: Swarm, tmp_path: Path) -> None:

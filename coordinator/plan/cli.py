@@ -19,6 +19,7 @@ from typing import Any
 from coordinator.plan.accelerators import ACCELERATORS
 from coordinator.plan.planner import (
     MODELS,
+    STORE_RTT_MS,
     Economics,
     HostGroup,
     Pool,
@@ -30,6 +31,7 @@ from coordinator.plan.planner import (
     get_model,
     naive_layout,
     predict,
+    route_round_trips,
 )
 from coordinator.plan.shapes import ShapeComparison, ShapePlan, compare_shapes
 from protocol.process.cli_errors import (
@@ -58,6 +60,8 @@ examples:
   crucible-coordinator plan --model 8b --pool docs/examples/pool_8b.toml --stages 4
   # a pool mixing 80 GB and 40 GB GPUs: also a mixed-shape placement beside the best uniform one
   crucible-coordinator plan --model 72b --pool docs/examples/pool_mixed_memory.toml
+  # a 32B-total, top-8 MoE on H100 and A100 servers, its object store 9,000 miles away (300 ms)
+  crucible-coordinator plan --model moe-32b --pool docs/examples/pool_moe.toml --store-rtt-ms 300
   # price Test Run 003 from its measured throughput, against AWS p4de.24xlarge Capacity Blocks
   crucible-coordinator plan --model 8b --gpus 48 --accelerator a100-80gb --usd-per-gpu-hour 1.17 \\
       --replicas 12 --stages 4 --measured-tokens-per-s 130100 \\
@@ -155,6 +159,7 @@ def add_parser(subparsers: Any) -> argparse.ArgumentParser:
     s.add_argument("--tau", type=int, default=2, help="overlap steps, 0 <= tau < H (example: --tau 2)")
     s.add_argument("--fragments", type=int, default=4, help="P, streamed fragments (example: --fragments 4)")
     s.add_argument("--compression-ratio", type=float, default=200.0, help="dense/wire bytes (example: 146)")
+    _add_routing_args(p)
     e = p.add_argument_group("economics")
     e.add_argument(
         "--ceiling", type=float, default=0.65, help="compute ceiling MFU (example: --ceiling 0.65)"
@@ -172,6 +177,23 @@ def add_parser(subparsers: Any) -> argparse.ArgumentParser:
     return p
 
 
+def _add_routing_args(p: argparse.ArgumentParser) -> None:
+    """The MoE routing barrier's inputs: the store's round trip and how far the barrier may lag."""
+    g = p.add_argument_group("MoE routing barrier (a store round trip per request, every inner step)")
+    g.add_argument(
+        "--store-rtt-ms",
+        type=float,
+        help=f"round trip of one object-store request, ms, may be 0; overrides the pool file (default "
+        f"{STORE_RTT_MS:g}, a store in the hosts' region; 9,000 miles away: 300) (example: --store-rtt-ms 300)",
+    )
+    g.add_argument(
+        "--stats-delay",
+        type=int,
+        default=1,
+        help="D, steps the barrier may lag (model.moe.stats_delay) (example: --stats-delay 2)",
+    )
+
+
 _QUANTITIES = (
     # (flag, example, may be 0)
     ("--seq-len", "--seq-len 8192", False),
@@ -180,6 +202,7 @@ _QUANTITIES = (
     ("--link-mbps", "--link-mbps 500", False),
     ("--rtt-ms", "--rtt-ms 80", True),
     ("--store-mbps", "--store-mbps 400", False),
+    ("--store-rtt-ms", "--store-rtt-ms 300", True),
     ("--usd-per-gpu-hour", "--usd-per-gpu-hour 1.17", False),
     ("--replicas", "--replicas 12, or --replicas auto", False),
     ("--stages", "--stages 4, or --stages auto", False),
@@ -192,6 +215,7 @@ _QUANTITIES = (
     ("--tau", "--tau 2", True),
     ("--fragments", "--fragments 4", False),
     ("--compression-ratio", "--compression-ratio 146", False),
+    ("--stats-delay", "--stats-delay 2", False),
     ("--ceiling", "--ceiling 0.65", False),
     ("--measured-tokens-per-s", "--measured-tokens-per-s 130100", False),
     ("--reference-usd-per-hour", "--reference-usd-per-hour 17.712", False),
@@ -267,6 +291,8 @@ class PlanResult:
 
     model: str
     n_params: int
+    n_active_params: int
+    """Parameters a token goes through: FLOPs/token and MFU count these (n_params for a dense model)."""
     replicas: int
     stages: int
     unused_hosts: int
@@ -283,6 +309,8 @@ class PlanResult:
     noun for `prediction.n_gpus`."""
     shapes: ShapeComparison | None = None
     """Mixed-shape placement beside the best uniform one; None unless the pool's hosts differ in memory."""
+    stats_delay: int = 1
+    """D of an MoE run's routing barrier (--stats-delay)."""
 
     def as_json(self) -> str:
         d = dataclasses.asdict(dataclasses.replace(self, shapes=None))  # shapes: a summary, not every host
@@ -331,9 +359,10 @@ def plan(args: argparse.Namespace) -> PlanResult:
         fragments=args.fragments,
         tau=args.tau,
         compression_ratio=args.compression_ratio,
+        stats_delay=args.stats_delay,
     )
     pool = _pool(args)
-    hosts = pool.expand(args.usd_per_gpu_hour)
+    hosts = pool.expand(args.usd_per_gpu_hour, args.store_rtt_ms)
     S = args.stages if args.stages is not None else auto_stages(shape, hosts, settings)
     R = args.replicas if args.replicas is not None else len(hosts) // S
     if R < 1:
@@ -373,6 +402,7 @@ def plan(args: argparse.Namespace) -> PlanResult:
     return PlanResult(
         model=args.model,
         n_params=shape.n_params,
+        n_active_params=shape.n_active_params,
         replicas=R,
         stages=S,
         unused_hosts=len(hosts) - R * S,
@@ -383,6 +413,7 @@ def plan(args: argparse.Namespace) -> PlanResult:
         unpriced=tuple(unpriced),
         device=device,
         shapes=shapes,
+        stats_delay=settings.stats_delay,
     )
 
 
@@ -415,18 +446,25 @@ def report(res: PlanResult) -> str:
 
     ks = sorted({ln.k for ln in p.links})
     slowest = max((ln.transfer_s for ln in p.links), default=0.0)
+    moe = p.route.bytes_per_step > 0  # a stage holds MoE layers: the routing barrier runs
+    params = _si(res.n_params).replace("G", "B") + " params"
+    if moe:
+        params += f" ({_si(res.n_active_params).replace('G', 'B')} active)"
+    mfu = f"MFU {p.effective_mfu:.1%}" + (" on active params" if moe else "")
     lines = [
-        f"model      {res.model}: {_si(res.n_params).replace('G', 'B')} params, {_si(p.flops_per_token)}FLOP/token",
+        f"model      {res.model}: {params}, {_si(p.flops_per_token)}FLOP/token",
         f"topology   {_count(res.replicas, 'replica')} x {_count(res.stages, 'stage')} on "
         f"{_count(p.n_gpus, res.device)} ({_count(res.unused_hosts, 'host')} unused); "
         f"layers/stage {'/'.join(map(str, p.layers))}",
         f"links      k {', '.join(map(str, ks)) or 'n/a (one stage)'}; slowest message {slowest * 1e3:.0f} ms; "
         f"{sum(not ln.hidden for ln in p.links)} of {len(p.links)} not hidden by compute",
         f"sync       fragment transfer {p.fragment_transfer_s:.2f} s vs overlap window {p.overlap_window_s:.2f} s",
-        f"predicted  {_k(p.tokens_per_s)} tokens/s | MFU {p.effective_mfu:.1%} | tax {p.tax:.1%} | "
+        *([_routing_line(res)] if moe else []),
+        f"predicted  {_k(p.tokens_per_s)} tokens/s | {mfu} | tax {p.tax:.1%} | "
         f"{usd(p.usd_per_mtok, 4, 'Mtok')} | {usd(p.usd_per_hour, 2, 'h')}",
         f"breakdown  compute {b.compute:.1%} | imbalance {b.imbalance:.1%} | bubble {b.bubble:.1%} | "
-        f"link wait {b.link_wait:.1%} | sync wait {b.sync_wait:.1%}",
+        f"link wait {b.link_wait:.1%} | sync wait {b.sync_wait:.1%}"
+        + (f" | route wait {b.route_wait:.1%}" if moe else ""),
     ]
     if res.measured is not None:
         m = res.measured
@@ -453,6 +491,17 @@ def report(res: PlanResult) -> str:
     if res.shapes is not None:
         lines += _shapes_report(res.shapes, p.warnings)
     return "\n".join(lines)
+
+
+def _routing_line(res: PlanResult) -> str:
+    """The MoE routing barrier: its store time per step, what D - 1 steps leave of it, its bytes, and
+    what the fastest replica waits for the slowest."""
+    r = res.prediction.route
+    return (
+        f"routing    barrier {r.barrier_s:.3f} s a step ({route_round_trips(res.replicas)} store round trips, "
+        f"{r.bytes_per_step / 1e3:.1f} kB a stage); stall {r.stall_s:.3f} s/step at D = {res.stats_delay}; "
+        f"the slowest replica paces the rest (+{r.pace_s:.3f} s/step)"
+    )
 
 
 MIXED_NOTE = (

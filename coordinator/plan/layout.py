@@ -52,16 +52,32 @@ def stage_work(
 ) -> list[float]:
     """Model FLOPs per token executed by each stage; sums to shape.flops_per_token().
 
-    A layer costs 6 P_layer + coef d s and the last stage adds the head's 6 x head_params. The 6 V d
+    A layer costs 6 P_layer + coef d s, P_layer its active parameters (an MoE block's top_k experts), and
+    the last stage adds the head's 6 x head_params. The 6 V d
     that the convention charges the input embedding is not executed by any stage (a lookup), so it is
     spread over stages pro rata: the ceiling is calibrated in model FLOPs, and charging it all to
     stage 0 would give stage 0 two fewer layers of Llama-3-8B than it can carry.
     """
-    per_layer = 6.0 * shape.layer_params + attention_coef * shape.d_model * shape.seq_len
-    work = [n * per_layer for n in layers]
+    work = [_blocks_work(shape, a, n, attention_coef) for a, n in zip(_starts(layers), layers, strict=True)]
     work[-1] += 6.0 * shape.head_params
     scale = shape.flops_per_token(attention_coef) / sum(work)
     return [w * scale for w in work]
+
+
+def _starts(layers: tuple[int, ...] | list[int]) -> list[int]:
+    """First layer of each stage."""
+    return [sum(layers[:s]) for s in range(len(layers))]
+
+
+def _blocks_work(shape: ModelShape, start: int, n: int, attention_coef: float) -> float:
+    """FLOPs per token of blocks [start, start + n): 6 P_active + coef d s each, dense and MoE blocks
+    counted by kind (a dense model's is n x the dense block's, as it always was)."""
+    attention = attention_coef * shape.d_model * shape.seq_len
+    m = shape.moe_blocks(start, start + n)
+    work = (n - m) * (6.0 * shape.layer_params + attention)
+    if m:
+        work += m * (6.0 * shape.block_params(moe=True, active=True) + attention)
+    return work
 
 
 def balance_layers(
@@ -80,12 +96,12 @@ def balance_layers(
     `RunSettings().state_bytes_per_param()`, 27); with `activations` given, the stage's whole training
     memory under those settings instead (`stage_memory_bytes`: state, bf16 copies and the activations of
     the microbatches in flight, which grow with S on the first stages). Optimal for min-max over
-    increasing costs.
+    increasing costs. An MoE shape's leading dense blocks (`first_dense`) are costed where the split so
+    far puts them.
     """
     S = len(stage_tflops)
     if not 1 <= S <= shape.n_layers:
         raise ValueError(f"stages must be between 1 and n_layers={shape.n_layers} (got {S})")
-    per_layer = 6.0 * shape.layer_params + ATTENTION_COEF_FLASH * shape.d_model * shape.seq_len
     head = 6.0 * shape.head_params
     mem = stage_memory_gb or [0.0] * S
     per_param = (
@@ -96,18 +112,21 @@ def balance_layers(
     def fits(s: int, n: int) -> bool:
         if not mem[s]:
             return True
+        start = sum(layers[:s])
         if activations is not None:
-            need = float(_stage_memory(shape, n, s, S, activations))
+            need = float(_stage_memory(shape, start, n, s, S, activations))
         else:
-            need = _stage_param_count(shape, n, s, S) * per_param
+            need = _stage_param_count(shape, start, n, s, S) * per_param
         return need <= MEMORY_HEADROOM * mem[s] * memory.GB
 
     what = "training memory (activations included)" if activations is not None else "memory"
     if not all(fits(s, 1) for s in range(S)):
         raise ValueError(f"one layer per stage does not fit the {what} of {S} stages; use more stages")
     for _ in range(shape.n_layers - S):
+        starts = _starts(layers)
         cost = [
-            ((n + 1) * per_layer + (head if s == S - 1 else 0.0)) / stage_tflops[s]
+            (_blocks_work(shape, starts[s], n + 1, ATTENTION_COEF_FLASH) + (head if s == S - 1 else 0.0))
+            / stage_tflops[s]
             if fits(s, n + 1)
             else math.inf
             for s, n in enumerate(layers)
@@ -118,18 +137,20 @@ def balance_layers(
     return tuple(layers)
 
 
-def _stage_param_count(shape: ModelShape, n: int, s: int, S: int) -> int:
-    """Parameters of stage s of S holding n layers: the embedding on the first, the head on the last."""
+def _stage_param_count(shape: ModelShape, start: int, n: int, s: int, S: int) -> int:
+    """Parameters of stage s of S holding blocks [start, start + n): the embedding on the first, the
+    head on the last."""
     return (
-        n * shape.layer_params
+        shape.blocks_params(start, start + n)
         + (shape.vocab * shape.d_model if s == 0 else 0)
         + (shape.head_params if s == S - 1 else 0)
     )
 
 
 def stage_params(shape: ModelShape, layers: tuple[int, ...]) -> list[int]:
-    """Parameters each stage owns (and syncs): its layers, the embedding on the first, head on the last."""
-    out = [n * shape.layer_params for n in layers]
+    """Parameters each stage owns (and syncs): its layers (every expert), the embedding on the first,
+    the head on the last."""
+    out = [shape.blocks_params(a, a + n) for a, n in zip(_starts(layers), layers, strict=True)]
     out[0] += shape.vocab * shape.d_model
     out[-1] += shape.head_params
     return out
@@ -140,16 +161,26 @@ def stage_memory_bytes(shape: ModelShape, layers: tuple[int, ...], settings: Run
     weight copy per step (the step's microbatches share one autocast region), plus activations without
     recomputation. Grouped-query
     attention is counted as full attention (an upper bound)."""
-    return [_stage_memory(shape, n, s, len(layers), settings) for s, n in enumerate(layers)]
+    starts, S = _starts(layers), len(layers)
+    return [_stage_memory(shape, starts[s], n, s, S, settings) for s, n in enumerate(layers)]
 
 
-def _stage_memory(shape: ModelShape, n: int, s: int, S: int, settings: RunSettings) -> int:
-    """`stage_memory_bytes` of stage s of S holding n layers (one stage: the layer balance asks often)."""
+def _stage_memory(shape: ModelShape, start: int, n: int, s: int, S: int, settings: RunSettings) -> int:
+    """`stage_memory_bytes` of stage s of S holding blocks [start, start + n) (one stage: the layer
+    balance asks often). An MoE block's activations are protocol.memory's per-block estimate."""
     per_param = memory.bytes_per_param(
         "bf16", method="sparseloco", captured_share=settings.captured_share(), graphs=0
     )
     last = s == S - 1
-    matmul = n * (shape.layer_params - 2 * shape.d_model) + (shape.head_params - shape.d_model if last else 0)
+    matmul = shape.blocks_matrix_params(start, start + n) + (shape.head_params - shape.d_model if last else 0)
+    per_layer = (
+        [
+            memory.block_activation_bytes_per_token(shape.model_spec, i, "bf16")
+            for i in range(start, start + n)
+        ]
+        if shape.moe_blocks(start, start + n)
+        else None
+    )
     act = memory.activation_bytes(
         layers=n,
         tokens=settings.microbatch_size * shape.seq_len,
@@ -159,8 +190,9 @@ def _stage_memory(shape: ModelShape, n: int, s: int, S: int, settings: RunSettin
         alive=settings.in_flight(S, s),
         last=last,
         precision="bf16",
+        per_layer=per_layer,
     )
-    n_params = _stage_param_count(shape, n, s, S)
+    n_params = _stage_param_count(shape, start, n, s, S)
     return round(n_params * per_param) + memory.BYTES_PER_PARAM["autocast_copy"] * matmul + act
 
 

@@ -35,6 +35,7 @@ from coordinator.plan.inputs import (
     ATTENTION_COEF_PALM,
     MEMORY_HEADROOM,
     MODELS,
+    STORE_RTT_MS,
     Host,
     HostGroup,
     ModelShape,
@@ -61,6 +62,9 @@ __all__ = [
     "ATTENTION_COEF_PALM",
     "MEMORY_HEADROOM",
     "MODELS",
+    "ROUTE_COUNT_BYTES",
+    "ROUTE_RECORD_OVERHEAD_BYTES",
+    "STORE_RTT_MS",
     "Breakdown",
     "Economics",
     "Host",
@@ -72,6 +76,7 @@ __all__ = [
     "Pool",
     "Prediction",
     "ReferenceCluster",
+    "RouteFigures",
     "RunSettings",
     "activation_bytes",
     "auto_stages",
@@ -89,6 +94,10 @@ __all__ = [
     "placed_figures",
     "predict",
     "replica_step_s",
+    "route_barrier_s",
+    "route_record_bytes",
+    "route_round_trips",
+    "route_stall_s",
     "schedule_step",
     "stage_memory_bytes",
     "stage_params",
@@ -101,6 +110,10 @@ __all__ = [
 
 LINK_WARN_SHARE = 0.02
 """`predict` warns about links whose transfers add more than this share to their replica's step."""
+ROUTE_COUNT_BYTES = 4
+"""Bytes of one routing count on the wire (protocol.messages.RouteCounts: little-endian uint32)."""
+ROUTE_RECORD_OVERHEAD_BYTES = 300
+"""A routing record's signed envelope beyond its counts (measured: 228 bytes for 1 layer, 281 for 48)."""
 
 
 @dataclass(kw_only=True, frozen=True)
@@ -137,6 +150,23 @@ class Breakdown:
     """Transfers and latency that compute does not hide."""
     sync_wait: float
     """SparseLoCo fragment transfers still in flight when the overlap window closes."""
+    route_wait: float = 0.0
+    """MoE: the routing barrier, its store round trips not hidden and the wait for the slowest replica."""
+
+
+@dataclass(kw_only=True, frozen=True)
+class RouteFigures:
+    """An MoE run's routing barrier, per inner step (`_route`); zeros for a dense model."""
+
+    barrier_s: float = 0.0
+    """Store time of one barrier at the slowest stage, before D - 1 steps hide it."""
+    stall_s: float = 0.0
+    """Seconds the barrier adds to every inner step, max(0, barrier_s - (D - 1) step)."""
+    pace_s: float = 0.0
+    """Seconds per step the fastest replica waits for the slowest (the barrier holds every replica to
+    the slowest one's pace)."""
+    bytes_per_step: int = 0
+    """Bytes the busiest stage moves through the store per inner step (its record up, R - 1 down)."""
 
 
 @dataclass(kw_only=True, frozen=True)
@@ -163,6 +193,10 @@ class Prediction:
     overlap_window_s: float
     """tau inner steps of the slowest replica: the time a fragment transfer can hide behind."""
     warnings: tuple[str, ...]
+    n_active_params: int = 0
+    """Parameters a token goes through, what flops_per_token counts (all of them for a dense model)."""
+    route: RouteFigures = RouteFigures()
+    """MoE: the routing barrier per inner step (zeros for a dense model)."""
 
 
 @dataclass(kw_only=True, frozen=True)
@@ -275,6 +309,46 @@ def _sync_wait(
     return sync, t_f_max
 
 
+def route_record_bytes(shape: ModelShape, start: int, end: int) -> int:
+    """Bytes of one replica's routing record for blocks [start, end) (node/sync/route_exchange.py): a
+    count per MoE layer and expert, and the signed envelope; 0 when the blocks hold no MoE layer."""
+    m = shape.moe_blocks(start, end)
+    return m * shape.experts * ROUTE_COUNT_BYTES + ROUTE_RECORD_OVERHEAD_BYTES if m else 0
+
+
+def route_round_trips(R: int) -> int:
+    """Store requests one routing barrier makes in turn: PUT ours, LIST the step's prefix, then GET the
+    R - 1 others' records at once (node/sync/route_exchange.py reads them in parallel); 2 alone."""
+    return 3 if R > 1 else 2
+
+
+def route_barrier_s(
+    shape: ModelShape, hosts: tuple[Host, ...], layers: tuple[int, ...], R: int
+) -> tuple[float, int]:
+    """(store seconds of one routing barrier, bytes per step) at a replica's slowest stage. Each stage
+    with MoE layers, every inner step (node/sync/route_exchange.py)::
+
+        t_barrier = 3 x store_rtt + R x record_bytes x 8 / store_bps   # route_round_trips(R)
+                    # our record up, the R - 1 others' down
+
+    (0.0, 0) for a dense model."""
+    t_max, bytes_max, start = 0.0, 0, 0
+    for h, n in zip(hosts, layers, strict=True):
+        b = route_record_bytes(shape, start, start + n)
+        start += n
+        if b:
+            t = route_round_trips(R) * h.store_rtt_ms / 1e3 + transfer_s(R * b, h.store_mbps)
+            t_max, bytes_max = max(t_max, t), max(bytes_max, R * b)
+    return t_max, bytes_max
+
+
+def route_stall_s(barrier_s: float, step_s: float, settings: RunSettings) -> float:
+    """What the barrier adds to an inner step of step_s: the set of step t is needed before step
+    t + D (D = settings.stats_delay), so D - 1 steps of compute hide it: max(0, t_barrier - (D-1) step).
+    The barriers of consecutive steps are taken to overlap (each its own requests)."""
+    return max(0.0, barrier_s - (settings.stats_delay - 1) * step_s)
+
+
 def replica_step_s(
     shape: ModelShape,
     hosts: tuple[Host, ...],
@@ -287,9 +361,13 @@ def replica_step_s(
 ) -> float:
     """One replica's inner step, sync wait included: `predict`'s step_s for it, without the breakdown
     (one schedule replay instead of S + 1). Placement scores candidate replicas with it;
-    M x b x s / replica_step_s is the replica's tokens/s. `replicas`: R of the run (fragments to fetch)."""
+    M x b x s / replica_step_s is the replica's tokens/s. `replicas`: R of the run (fragments to fetch,
+    routing records to read). MoE: the replica's own barrier stall; `predict` also paces every replica at
+    the slowest one's step, which a per-replica score cannot see."""
     ln = _links(shape, hosts, layers, settings, link_mbps, link_rtt_ms)
     step = _replay(ln, settings, ln.t_x, [rt / 2 for rt in ln.rtt])
+    if shape.experts:  # as `predict` holds a replica: the barrier's stall, then the sync wait against it
+        step += route_stall_s(route_barrier_s(shape, hosts, layers, replicas)[0], step, settings)
     return step + _sync_wait(shape, hosts, layers, settings, replicas, step)[0]
 
 
@@ -508,6 +586,8 @@ def predict(
 
     Replicas never wait on each other (DESIGN section 2), so tokens/s sums over replicas; the
     breakdown weights each replica's seconds by its share of the pool's peak.
+
+    MoE (`shape.experts`): a routing barrier across replicas ends every inner step; `_route` paces them.
     """
     R, S = len(layout.replicas), len(layout.layers)
     R_run = R if run_replicas is None else run_replicas
@@ -534,7 +614,10 @@ def predict(
         )
         for r, hosts in enumerate(layout.replicas)
     ]
-    parts = dict.fromkeys(("compute", "imbalance", "bubble", "link_wait", "sync_wait"), 0.0)
+    route = RouteFigures()
+    if shape.experts:
+        steps, route = _route(shape, layout, per, R_run, steps)
+    parts = dict.fromkeys(("compute", "imbalance", "bubble", "link_wait", "sync_wait", "route_wait"), 0.0)
     for hosts, st in zip(layout.replicas, steps, strict=True):
         weight = sum(h.peak_tflops for h in hosts) / peak_total  # this replica's share of GPU time
         for name, sec in st.seconds.items():
@@ -570,4 +653,50 @@ def predict(
         fragment_transfer_s=t_frag,
         overlap_window_s=window,
         warnings=tuple(warnings),
+        n_active_params=shape.n_active_params,
+        route=route,
+    )
+
+
+def _route(
+    shape: ModelShape,
+    layout: Layout,
+    per: list[RunSettings],
+    R: int,
+    steps: list[_ReplicaStep],
+) -> tuple[list[_ReplicaStep], RouteFigures]:
+    """An MoE run's steps: every inner step ends at a routing barrier across replicas (node/moe.py), so
+    no replica gets more than D - 1 steps ahead and all keep the slowest one's pace; the barrier's own
+    store time (`route_barrier_s`) adds what D - 1 steps do not hide, and the SparseLoCo sync wait is
+    counted against the step so held (a longer step, a longer overlap window)::
+
+        paced = max over replicas of the schedule's step (compute and links, before the sync wait)
+        stall = max(0, max_r t_barrier_r - (D - 1) x paced)          # route_stall_s
+        step  = paced + stall + max_r sync(paced + stall)            # every replica's
+
+    A replica's time beyond its own step and sync wait is its route_wait."""
+    base = [st.step_s - st.seconds["sync_wait"] for st in steps]  # the schedule's step: compute, links
+    paced = max(base)
+    barriers = [route_barrier_s(shape, hosts, layout.layers, R) for hosts in layout.replicas]
+    barrier = max(t for t, _ in barriers)
+    stall = route_stall_s(barrier, paced, per[0])
+    held = paced + stall
+    sync = [
+        _sync_wait(shape, hosts, layout.layers, st_r, R, held)[0]
+        for hosts, st_r in zip(layout.replicas, per, strict=True)
+    ]
+    period = held + max(sync)  # a replica still waiting on its fragments holds the next barrier
+    out = [
+        replace(
+            st,
+            seconds={**st.seconds, "sync_wait": w, "route_wait": period - b - w},
+            step_s=period,
+        )
+        for st, b, w in zip(steps, base, sync, strict=True)
+    ]
+    return out, RouteFigures(
+        barrier_s=barrier,
+        stall_s=stall,
+        pace_s=paced - min(base),
+        bytes_per_step=max(b for _, b in barriers),
     )

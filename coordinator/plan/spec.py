@@ -32,7 +32,8 @@ def sync_compression_ratio(spec: RunSpec) -> float:
 
 
 def run_settings(spec: RunSpec, ceiling: float) -> RunSettings:
-    """The planner's settings for a run spec: its schedule, link width and wire dtype, sync cadence."""
+    """The planner's settings for a run spec: its schedule, link width and wire dtype, sync cadence, and
+    an MoE run's routing delay."""
     d, S = spec.model.d_model, spec.stages
     link_k = list(spec.pipeline.link_k) or [d] * (S - 1)
     # a link sends min(link_k[b:]) columns (node/subspace_model.py); the planner takes one k: the widest
@@ -51,4 +52,5 @@ def run_settings(spec: RunSpec, ceiling: float) -> RunSettings:
         topology=spec.sync.topology,
         bytes_per_value=WIRE_BYTES[spec.pipeline.wire_dtype],
         header_bytes=FRAME_HEADER_BYTES,
+        stats_delay=spec.model.moe.stats_delay,
     )

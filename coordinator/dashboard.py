@@ -295,7 +295,9 @@ function render() {
     const tr = el("tr"); tr.appendChild(el("td", shape.length ? `${i} (${shape.join(", ")})` : String(i), "l"));
     for (const c of row) {
       if (!c) { tr.appendChild(el("td", "-", "cell")); continue; }
-      const what = c.state === "dropped out" ? `dropped out at step ${c.step}` : `${c.state} step ${c.step} ${fmt(c.tokens_per_s, 0)} tok/s`;
+      const what = c.state === "dropped out" ? `dropped out at step ${c.step}` : `${c.state} step ${c.step} ${fmt(c.tokens_per_s, 0)} tok/s`
+        + (c.expert_load && Object.keys(c.expert_load).length  // MoE: max/mean tokens per expert, by layer
+          ? `\nexpert load ${Object.entries(c.expert_load).map(([l, v]) => `L${l} ${fmt(v, 2)}`).join(" ")}` : "");
       const td = el("td", `${short(c.peer_id)} ${c.device}\\n${what}` + (c.error ? `\\n${c.error}` : ""), "cell " + c.state.split(" ")[0]);
       td.style.whiteSpace = "pre"; tr.appendChild(td);
     }

@@ -84,6 +84,8 @@ def run_view(
                         "tokens_per_s": a.tokens_per_s if a and on_run and r not in dropped else 0.0,
                         "loss": _finite(a.loss) if a and on_run else None,
                         "error": a.error if a and on_run else "",
+                        # MoE: max / mean tokens per expert by layer (the balancing's figure)
+                        "expert_load": dict(a.expert_load) if a and on_run else {},
                     }
                 )
             grid.append(row)

@@ -35,6 +35,7 @@ from protocol.envelope import Signed
 from protocol.identity import Identity, public_key_of_peer_id
 from protocol.memory import GB, fits, stage_memory
 from protocol.messages import (
+    MAX_ADVERT_LAYERS,
     Assignment,
     NodeAdvert,
     RunRecord,
@@ -480,6 +481,7 @@ class NodeDaemon:
             bytes_store=m.bytes_store_up + m.bytes_store_down,
             timestamp=dht_time(),
             mail_key=self.mail_key,
+            expert_load=dict(list(m.expert_load.items())[:MAX_ADVERT_LAYERS]),
         )
 
     def _advert_loop(self) -> None:

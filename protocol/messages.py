@@ -33,6 +33,8 @@ MAX_TEXT = 256
 MAX_PROBE_BYTES = 16 << 20
 """A bandwidth probe sends at most this much (node/pipeline/link_probe.py)."""
 MAX_FORMER_PEERS = 64
+MAX_ADVERT_LAYERS = 256
+"""Layers a stage's advert reports figures of (expert load): far more than one stage holds."""
 MAX_REPLICAS = 1 << 16
 """RunSpec's bound on R."""
 MAX_CERTIFICATE_BYTES = 1024
@@ -137,9 +139,19 @@ class NodeAdvert:
     mail_key: str = ""
     """The node's X25519 grant-mail public key, 64 hex characters (protocol/trust/grant_mail.py): set when
     it writes through grants, so the coordinator seals them to it; empty otherwise."""
+    expert_load: dict[str, float] = field(default_factory=dict)
+    """MoE runs: max / mean tokens per expert of each of the stage's MoE layers (by layer) in the last
+    agreed step's load, every replica's tokens (node/moe.py); empty otherwise."""
 
     def __post_init__(self) -> None:
         check_finite(self)
+        if len(self.expert_load) > MAX_ADVERT_LAYERS:
+            raise ValueError(
+                f"NodeAdvert.expert_load names {len(self.expert_load)} layers, over {MAX_ADVERT_LAYERS}"
+            )
+        for layer, ratio in self.expert_load.items():
+            _check_text("NodeAdvert.expert_load key", layer, empty_ok=False)
+            check_range(f"NodeAdvert.expert_load[{describe(layer)}]", ratio, 0, 1 << 12)  # at most E
         if self.mail_key and not (
             len(self.mail_key) == 64 and all(c in "0123456789abcdef" for c in self.mail_key)
         ):

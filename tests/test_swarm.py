@@ -35,7 +35,13 @@ from protocol.pairing import partner
 from protocol.runspec import ModelSpec, RunSpec, SyncSpec, TrainSpec, load_run_spec
 from scripts.local_swarm import Swarm, set_pipeline
 from tests.helpers.fragment_faults import corrupt
-from tests.helpers.observability import bad_requests_get_4xx, dashboard_shows_run, http_status, scrape
+from tests.helpers.observability import (
+    bad_requests_get_4xx,
+    chromium,
+    dashboard_shows_run,
+    http_status,
+    scrape,
+)
 from tests.test_export import hf_logits, pipeline_logits, sample_tokens
 
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(600)]
@@ -278,6 +284,16 @@ def test_moe_run_balances_experts_alike_on_every_replica_and_exports(
     assert {lab["layer"] for lab, _ in loads} == {"2", "3"} and all(v >= 1.0 for _, v in loads)
     waited = [v for lab, v in sampled["crucible_routing_wait_seconds_total"] if lab["run"] == run_id]
     assert waited and waited[0] >= 0
+
+    def shown():  # the coordinator's dashboard shows each node's expert load, from its advert
+        with urllib.request.urlopen(f"{swarm.dashboard}api/runs/{run_id}", timeout=10) as resp:
+            cells = [c for row in json.load(resp)["grid"] for c in row if c]
+        return len(cells) == 4 and all(c["expert_load"] for c in cells) and cells
+
+    cells = wait_until(shown, 30, "the dashboard API to show every node's expert load")
+    assert {k for c in cells for k in c["expert_load"]} == {"0", "1", "2", "3"}
+    dom = chromium(f"{swarm.dashboard}?run={run_id}", "--virtual-time-budget=3000", "--dump-dom")
+    assert re.search(r"expert load L0 \d\.\d\d L1 \d\.\d\d", dom), dom[:3000]
 
     # acceptance 4: `crucible-coordinator export` writes a GLM-4-MoE folder (expert bias included) that
     # transformers loads, and its logits are the swarm's consensus model's

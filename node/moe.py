@@ -25,7 +25,7 @@ from concurrent.futures import Future, ThreadPoolExecutor
 import numpy as np
 import torch
 
-from node.model import moe_blocks
+from node.model import MoE, moe_blocks
 from node.sync.route_exchange import Agreed, RouteExchange, RouteStats
 from protocol.identity import Identity
 from protocol.net.store import ObjectStore
@@ -50,6 +50,15 @@ def bias_delta(load: np.ndarray, rate: float) -> np.ndarray:
     """gamma * sign(mean load - load_e) per expert (float32), the comparison exact in integers."""
     load = np.asarray(load, np.int64)
     return np.sign(load.sum() - load.size * load).astype(np.float32) * np.float32(rate)
+
+
+def move_bias(moe: MoE, load: np.ndarray, rate: float) -> None:
+    """b <- b + bias_delta(load): the float32 add on the host (the same bits on a CPU and a GPU), then
+    back where the router lives."""
+    with torch.no_grad():
+        bias = moe.router.expert_bias
+        new = bias.detach().cpu().numpy() + bias_delta(load, rate)
+        bias.copy_(torch.from_numpy(new).to(bias.device))
 
 
 def bias_digest(module: torch.nn.Module) -> str:
@@ -117,10 +126,13 @@ class Balancer:
                 ex.set_signers(*by_group[g])
 
     def step_done(self, step: int) -> bool:
-        """After inner step `step` (0-based) trained: publish its load and start reading its agreed set,
-        then move the bias that step `step + 1` uses by the agreed load of step `step + 1 - D` (waiting
-        for it: the barrier). False when that wait was cancelled (the worker is stopping; the bias is
-        left as it was)."""
+        """After inner step `step` (0-based) trained: `publish` its load, then `apply` the update the next
+        step needs. False when the wait was cancelled (the worker is stopping; the bias is left as it was)."""
+        self.publish(step)
+        return self.apply(step)
+
+    def publish(self, step: int) -> None:
+        """Take step `step`'s load, put it up and start reading the step's agreed set, in the background."""
         load = take_load(self.module)
         self.local_ratio = {layer: load_ratio(c) for layer, c in load.items()}
         for g, ex in self.exchanges.items():
@@ -128,6 +140,10 @@ class Balancer:
             self._publishing.append(self._put.submit(ex.publish, step, counts))
             self._sets[g, step] = self._get.submit(ex.agreed, step)
         self._publishing = [f for f in self._publishing if not f.done()]
+
+    def apply(self, step: int) -> bool:
+        """Move the bias that step `step + 1` uses by the agreed load of step `step + 1 - D`, waiting for
+        that set (the barrier); False when the wait was cancelled."""
         target = step + 1 - self.delay
         if target >= 0:
             t0 = time.perf_counter()
@@ -137,21 +153,13 @@ class Balancer:
                     agreed = pending.result() if pending is not None else ex.agreed(target)
                     if agreed is None:
                         return False
-                    self._apply(ex.layers, agreed.counts)
+                    for layer, load in zip(ex.layers, agreed.counts, strict=True):
+                        move_bias(self.blocks[layer], load, self.rate)
+                        self.load_ratio[layer] = load_ratio(load)
             finally:
                 self.stall_s += time.perf_counter() - t0
         self.history = [*self.history, (step + 1, bias_digest(self.module))][-BIAS_HISTORY:]
         return True
-
-    def _apply(self, layers: list[int], counts: np.ndarray) -> None:
-        with torch.no_grad():
-            for layer, load in zip(layers, counts, strict=True):
-                bias = self.blocks[layer].router.expert_bias
-                new = bias.detach().cpu().numpy() + bias_delta(
-                    load, self.rate
-                )  # float32 + float32: exact IEEE
-                bias.copy_(torch.from_numpy(new).to(bias.device))
-                self.load_ratio[layer] = load_ratio(load)
 
     def figures(self) -> dict[str, object]:
         """The worker's metrics of the balancing (node/worker.py WorkerMetrics' expert and routing fields)."""
@@ -217,6 +225,7 @@ __all__ = [
     "bias_delta",
     "bias_digest",
     "load_ratio",
+    "move_bias",
     "stage_balancer",
     "take_load",
 ]

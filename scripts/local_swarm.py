@@ -1236,7 +1236,34 @@ def build_report(
         "bytes_store_down": down,
         "pipe_wait_s": round(sum(m["pipe_wait_s"] for m in ms), 1),
         "sync_wait_s": round(sum(m["sync_wait_s"] for m in ms), 1),
+        "routing": _routing(ms),
         "store_url": store_url,
+    }
+
+
+def _routing(ms: list[dict]) -> dict | None:
+    """An MoE run's per-step barrier of routing statistics (node/sync/route_exchange.py) over its stages:
+    the training time it stalled per step, its bytes per step, the expert load (max/mean, the worst
+    layer's), and whether every replica's stage held the same bias at the last step they share; None for a
+    dense run."""
+    moe = [m for m in ms if m.get("routing")]
+    if not moe:
+        return None
+    steps = sum(m["routing"]["steps"] for m in moe)
+    same = True
+    for stage in {m["stage"] for m in moe}:
+        histories = [dict(map(tuple, m["expert_bias_history"])) for m in moe if m["stage"] == stage]
+        common = set.intersection(*(set(h) for h in histories))
+        same = same and bool(common) and len({h[max(common)] for h in histories}) == 1
+    return {
+        "stall_ms_per_step": round(1e3 * sum(m["routing"]["wait_s"] for m in moe) / max(steps, 1), 2),
+        "bytes_per_step": round(
+            sum(m["routing"]["bytes_up"] + m["routing"]["bytes_down"] for m in moe) / max(steps, 1)
+        ),
+        "missing": sum(m["routing"]["missing"] for m in moe),
+        "rejected": sum(m["routing"]["rejected"] for m in moe),
+        "expert_load_max": max((v for m in moe for v in m["expert_load"].values()), default=None),
+        "bias_identical": same,
     }
 
 
@@ -1267,6 +1294,14 @@ def print_report(r: dict, out: Path) -> None:
         f"bytes: pipeline {_fmt_bytes(r['bytes_pipeline'])}, store up {_fmt_bytes(r['bytes_store_up'])}, "
         f"down {_fmt_bytes(r['bytes_store_down'])}; waits: pipeline {r['pipe_wait_s']} s, sync {r['sync_wait_s']} s"
     )
+    rt = r.get("routing")
+    if rt:
+        print(
+            f"MoE routing barrier: {rt['stall_ms_per_step']} ms stalled a stage step, "
+            f"{rt['bytes_per_step'] / 1e3:.1f} kB a stage step; missing {rt['missing']}, rejected {rt['rejected']}; "
+            f"expert load max/mean up to {rt['expert_load_max']}; expert bias identical across replicas: "
+            f"{rt['bias_identical']}"
+        )
     if r.get("measured_tokens_per_s"):
         vs = ""
         for what, err_key in (("predicted", "prediction_error"), ("calibrated", "calibration_error")):

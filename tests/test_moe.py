@@ -131,6 +131,17 @@ def test_step_rule_is_final_once_every_slot_is_in() -> None:
 
 
 # --- the barrier through the store ------------------------------------------------------------------
+OPEN: list[Balancer] = []
+
+
+@pytest.fixture(autouse=True)
+def _close_balancers():
+    """Each test's balancers stop reading sets nobody waits for (the last D - 1) before the next test."""
+    yield
+    while OPEN:
+        OPEN.pop().close()
+
+
 def _replicas(store: ObjectStore, s: RunSpec, n: int) -> tuple[list[torch.nn.Module], list[Balancer]]:
     models, balancers = [], []
     signers = {r: IDS[r].peer_id for r in range(n)}
@@ -139,6 +150,7 @@ def _replicas(store: ObjectStore, s: RunSpec, n: int) -> tuple[list[torch.nn.Mod
         ex = RouteExchange(store, IDS[r], s, group=0, replica=r, signers=signers)
         models.append(model)
         balancers.append(Balancer(model, {0: ex}, rate=s.model.moe.bias_rate, delay=s.model.moe.stats_delay))
+    OPEN.extend(balancers)
     return models, balancers
 
 
@@ -247,3 +259,27 @@ def test_forged_or_inflated_counts_are_refused(store: ObjectStore) -> None:
     balancers[0].step_done(1)
     st = balancers[0].exchanges[0].stats
     assert st.rejected == 2 and st.last_members == [0]
+
+
+def test_a_restarted_replica_replays_its_steps_and_ends_with_the_same_bias(store: ObjectStore) -> None:
+    """Replica 1 is rebuilt from its state at step 2 (a checkpoint holds the bias the next step uses) and
+    replays steps 2-3 while replica 0 goes on: its records of those steps are already in (its
+    predecessor's, write-once), the agreed sets are the ones replica 0 read, and both end alike."""
+    s = spec(replicas=2, stats_delay=2)
+    models, balancers = _replicas(store, s, 2)
+    for step in range(2):
+        _run_step(models, balancers, s, step)
+    saved = {k: v.clone() for k, v in models[1].state_dict().items()}
+    for step in range(2, 4):
+        _run_step(models, balancers, s, step)
+    balancers[1].close()
+    rebuilt = build_full_model(s.model)
+    rebuilt.load_state_dict(saved)
+    ex = RouteExchange(store, IDS[1], s, group=0, replica=1, signers={r: IDS[r].peer_id for r in range(2)})
+    again = Balancer(rebuilt, {0: ex}, rate=s.model.moe.bias_rate, delay=s.model.moe.stats_delay)
+    for step in range(2, 4):
+        _train_step(rebuilt, 1, step, s)
+        assert again.step_done(step)
+    assert bias_digest(rebuilt) == bias_digest(models[0]) == bias_digest(models[1])
+    again.close()  # its records' puts are done
+    assert again.stats.not_published == 2  # its predecessor's records stand

@@ -132,6 +132,9 @@ def s3_client(cfg: StoreConfig, timeout_s: float, **config: Any) -> tuple[Any, s
             connect_timeout=timeout_s,
             read_timeout=timeout_s,
             retries={"mode": "standard", "max_attempts": 3},
+            # a node's store threads: each layer group's round I/O, checkpoint transfers, an MoE stage's
+            # per-step records and the others' GETs at once (botocore's default pool of 10 overflows)
+            max_pool_connections=32,
             **config,
         ),
     )

@@ -38,6 +38,12 @@ replica r draws batch (data_seed, r, step) in every arm, so every method sees th
 - stochastic:   SparseLoCo with sync.stochastic_rounding = true (issue 24): each kept value coded between
                 the two Lloyd levels around it, unbiased, instead of to the nearest; `sparseloco` is the
                 nearest-rounding baseline at the same tokens.
+- moe / moe_adamw: the model with MoE blocks of the same active parameters (issue 24): --moe-experts
+                experts of width d_ff / 2, top-2, every block; its expert bias moved after every step by
+                the agreed routing counts of every replica, through the store's per-step barrier
+                (node/moe.py, node/sync/route_exchange.py), under SparseLoCo (moe) or data-parallel
+                AdamW (moe_adamw: one model, the bias moved by the global batch's counts). `sparseloco`
+                and `adamw` are the dense models at the same active parameters and tokens.
 - stream_tau1/2: SparseLoCo with P strided fragments captured at c_f = (f+1) floor(H/P) and applied
                 tau = 1 or 2 inner steps later, keeping the local drift (arXiv 2501.18512). The run spec
                 needs tau < floor(H/P) (a cycle's fragments all applied before the next cycle's first
@@ -80,17 +86,19 @@ import torch
 from node.data.corpus import Corpus
 from node.device import resolve_precision
 from node.inner_step import InnerOptimizer, inner_step, make_optimizer, prepare_stage
-from node.model import Stage, build_full_model, lm_loss
+from node.model import Stage, build_full_model, lm_loss, moe_blocks
+from node.moe import Balancer, bias_digest, load_ratio, move_bias, take_load
 from node.sync.aggregation import norm
 from node.sync.outer_sync import Contribution, Encoding, FragmentCodec, FragmentId, OuterSync
 from node.sync.pair_mix import TAG_LEN
 from node.sync.pair_sync import PAIR_OUTCOMES, pair_settings
+from node.sync.route_exchange import RouteExchange
 from node.sync.sparseloco_sync import SparseLoCoCodec, make_sync_parts
 from protocol.codecs.sparseloco import CompressedFragment, SparseLoCoConfig, compress, decompress
 from protocol.codecs.sparseloco_format import decode_fragment, encode_fragment
 from protocol.identity import Identity
 from protocol.net.store import ObjectStore
-from protocol.runspec import ModelSpec, ReplicaShape, RunSpec, SyncSpec, TrainSpec
+from protocol.runspec import ModelSpec, MoESpec, ReplicaShape, RunSpec, SyncSpec, TrainSpec
 from scripts.bench_subspace_quality import bench_model
 from scripts.embedded_store import embedded_store
 
@@ -107,8 +115,12 @@ ARMS = (
     "butterfly",
     "muon",
     "stochastic",
+    "moe",
+    "moe_adamw",
 )
-NEWER_ARMS = ("butterfly", "muon", "stochastic")
+NEWER_ARMS = ("butterfly", "muon", "stochastic", "moe", "moe_adamw")
+DATA_PARALLEL_ARMS = ("adamw", "moe_adamw")
+"""The arms that train one model on the R replicas' batches (no outer loop)."""
 """Arms a plain run leaves out (as it does the late and mixed ones): ask for them with --arms."""
 LATE_ARMS = {"late_commit": 1, "late_drop": 0}
 """The late arms and their sync.max_late_rounds: the last replica's fragment of every other round reaches
@@ -136,6 +148,16 @@ class Setup:
     replicas: int
     train: TrainSpec
     """Inner steps, per-replica batch, peak lr, warm-up, clipping, data seed (weight decay 0)."""
+    moe_experts: int = 8
+    """The MoE arms' experts per block."""
+
+    def model_of(self, name: str) -> ModelSpec:
+        """The model arm `name` trains: the MoE arms' has MoE blocks of the dense one's active parameters
+        (top-2 experts of half the dense width), the others the dense model."""
+        if name not in ("moe", "moe_adamw"):
+            return self.model
+        moe = MoESpec(experts=self.moe_experts, top_k=2, d_ff=self.model.d_ff // 2)
+        return replace(self.model, moe=moe)
 
 
 @dataclass
@@ -169,6 +191,8 @@ class Result:
     """Replica -> the tokens its contribution to the last round claimed (the weights of "tokens")."""
     diverged_at: int | None = None
     """Inner step after which the weights or the loss stopped being finite (None: they never did)."""
+    load_ratio: dict[int, float] = field(default_factory=dict)
+    """MoE arms: layer -> max / mean tokens per expert over the last step's batch (all replicas')."""
 
 
 @dataclass(kw_only=True, frozen=True)
@@ -376,9 +400,13 @@ class LateCodec:
 CPU = torch.device("cpu")
 
 
-def new_model(s: Setup, train: TrainSpec | None = None) -> tuple[Stage, InnerOptimizer]:
-    """A replica's model and inner optimizer (`train`: an arm's own train settings, default s.train)."""
-    model = build_full_model(s.model)  # deterministic init from model.init_seed: every replica the same
+def new_model(
+    s: Setup, train: TrainSpec | None = None, spec: ModelSpec | None = None
+) -> tuple[Stage, InnerOptimizer]:
+    """A replica's model and inner optimizer (`train`, `spec`: an arm's own, default s.train, s.model)."""
+    model = build_full_model(
+        spec or s.model
+    )  # deterministic init from model.init_seed: every replica the same
     prepare_stage(model, CPU, resolve_precision(s.train.precision, CPU))
     return model, make_optimizer(model, train or s.train)
 
@@ -403,8 +431,13 @@ def evaluate(model: Stage, val: list[torch.Tensor]) -> float:
     return nats / math.log(2)
 
 
-def run_adamw(s: Setup, corpus: Corpus, val: list[torch.Tensor], log: logging.Logger) -> Result:
-    model, opt = new_model(s)
+def run_adamw(
+    s: Setup, corpus: Corpus, val: list[torch.Tensor], log: logging.Logger, name: str = "adamw"
+) -> Result:
+    spec = s.model_of(name)
+    model, opt = new_model(s, spec=spec)
+    blocks = moe_blocks(model)
+    ratios: dict[int, float] = {}
     t = s.train
     t0 = time.perf_counter()
     for step in range(t.total_steps):
@@ -415,10 +448,13 @@ def run_adamw(s: Setup, corpus: Corpus, val: list[torch.Tensor], log: logging.Lo
             ]
         )
         loss = train_on(model, opt, s, step, tokens)
+        for layer, load in take_load(model).items():  # one model: the global batch's counts move its bias
+            move_bias(blocks[layer], load, spec.moe.bias_rate)
+            ratios[layer] = load_ratio(load)
         if step % 100 == 0 or step == t.total_steps - 1:
-            log.info("adamw step %4d train bpb %.4f", step, loss / math.log(2))
+            log.info("%s step %4d train bpb %.4f", name, step, loss / math.log(2))
     train_s = time.perf_counter() - t0
-    return Result("adamw", evaluate(model, val), train_s)
+    return Result(name, evaluate(model, val), train_s, load_ratio=ratios)
 
 
 def arm_spec(name: str, sync: SyncSpec, s: Setup) -> RunSpec:
@@ -429,7 +465,7 @@ def arm_spec(name: str, sync: SyncSpec, s: Setup) -> RunSpec:
         run_id=f"bench-{name.replace('_', '-')}-{int(time.time() * 1000) % 10**9}",
         replicas=s.replicas,
         stages=1,
-        model=s.model,
+        model=s.model_of(name),
         train=replace(s.train, optimizer="muon") if name == "muon" else s.train,
         sync=sync,
         shapes=[ReplicaShape(replicas=doubled, microbatches=2 * s.train.microbatches)]
@@ -459,7 +495,7 @@ def run_outer(
     if attack is not None and attack.kind in COLLUDING:
         board = HonestBoard(set(range(s.replicas)) - hostile, attack)
     for r in range(s.replicas):
-        model, opt = new_model(s, spec.train)
+        model, opt = new_model(s, spec.train, spec.model)
         parts = make_sync_parts(spec, ids[r])  # the swarm's codec, aggregation and outer momentum
         codec = parts.codec
         if attack is not None:
@@ -492,6 +528,7 @@ def run_outer(
             )
         )
         replicas.append((model, opt))
+    balancers = moe_balancers(spec, [m for m, _ in replicas], store, ids)
     start = [a.clone() for a in syncs[0].anchor]
     spread_history: list[tuple[int, float]] = []
     t = s.train
@@ -509,6 +546,10 @@ def run_outer(
         if not all(math.isfinite(x) for x in losses):
             diverged_at = step
             break
+        for b in [balancers[r] for r in alive if balancers]:  # MoE: every replica's counts, then the bias
+            b.publish(step)
+        for b in [balancers[r] for r in alive if balancers]:
+            b.apply(step)
         for r in alive:  # capture phase for every replica, then apply phase: no replica waits on itself
             syncs[r].capture_due(step + 1)
         for r in alive:
@@ -531,6 +572,8 @@ def run_outer(
         log.warning("%s: weights or loss no longer finite after step %d; stopped", name, diverged_at)
     for sy in syncs:
         sy.finish()  # streaming: apply the fragments captured in the last tau steps
+    for b in balancers:
+        b.close()
     train_s = time.perf_counter() - t0
     live = [r for r in range(s.replicas) if kill is None or r != kill[0]]
     anchors = [syncs[r].anchor for r in live]
@@ -540,11 +583,17 @@ def run_outer(
             raise AssertionError(f"{name}: replicas ended with different consensus weights")
 
     def bpb_of(weights: list[torch.Tensor]) -> float:
-        model, _ = new_model(s)
+        model, _ = new_model(s, spec=spec.model)
         with torch.no_grad():
             for p, w in zip(model.parameters(), weights, strict=True):
                 p.copy_(w)
+            for (_, b), (_, ours) in zip(model.named_buffers(), replicas[0][0].named_buffers(), strict=True):
+                b.copy_(ours)  # MoE: the expert bias, one on every replica (checked below)
         return evaluate(model, val) if diverged_at is None else math.nan
+
+    biases = {bias_digest(m) for r, (m, _) in enumerate(replicas) if r in live}
+    if len(biases) != 1:
+        raise AssertionError(f"{name}: replicas ended with different expert biases")
 
     st = [syncs[r].stats for r in live]
     # butterfly: a sit-out applies nothing, so count the rounds the schedule ran
@@ -572,7 +621,28 @@ def run_outer(
         late_committed=st[0].late_committed,
         round_tokens=dict(st[0].last_tokens),
         diverged_at=diverged_at,
+        load_ratio=dict(balancers[0].load_ratio) if balancers else {},
     )
+
+
+def moe_balancers(
+    spec: RunSpec, models: list[Stage], store: ObjectStore, ids: list[Identity]
+) -> list[Balancer]:
+    """An MoE arm's expert bias per replica, each moved by the agreed counts of the step's barrier through
+    the store, as a stage worker's (node/moe.py); [] for a dense model."""
+    moe = spec.model.moe
+    if not moe.experts:
+        return []
+    peers = {r: ids[r].peer_id for r in range(len(models))}
+    return [
+        Balancer(
+            m,
+            {0: RouteExchange(store, ids[r], spec, group=0, replica=r, signers=peers, poll_s=0.002)},
+            rate=moe.bias_rate,
+            delay=moe.stats_delay,
+        )
+        for r, m in enumerate(models)
+    ]
 
 
 def anchor_spread(anchors: list[list[torch.Tensor]], start: list[torch.Tensor]) -> float:
@@ -651,6 +721,9 @@ def parser() -> argparse.ArgumentParser:
     )
     ap.add_argument(
         "--muon-lr", type=float, default=TrainSpec.muon_lr, help="the muon arm's train.muon_lr (its peak)"
+    )
+    ap.add_argument(
+        "--moe-experts", type=int, default=8, help="the MoE arms' experts per block (top-2, default 8)"
     )
     ap.add_argument("--butterfly-alpha", type=float, help="the butterfly arm's outer lr (default: --alpha)")
     ap.add_argument("--butterfly-k", type=int, help="the butterfly arm's top-k per chunk (default: --k)")
@@ -767,7 +840,7 @@ def arm_sync(name: str, args: argparse.Namespace) -> SyncSpec:
     tau = STREAM_TAU.get(name, 0)
     P = (
         1
-        if name in ("sparseloco", "butterfly", "muon", "stochastic")
+        if name in ("sparseloco", "butterfly", "muon", "stochastic", "moe")
         or name in LATE_ARMS
         or name in MIXED_ARMS
         else stream_P(args.H, tau)
@@ -837,7 +910,7 @@ def plan(argv: list[str] | None = None) -> Plan:
         attack = Attack(kind=args.attack, replica=who, first=first, last=last)
         if attack.kind in COLLUDING and "butterfly" in arms:
             ap.error(f"--attack {attack.kind} is aimed at a round's honest mean; a butterfly pair has none")
-        if "adamw" in arms or "diloco" in arms:
+        if set(DATA_PARALLEL_ARMS) & set(arms) or "diloco" in arms:
             ap.error("--attack forges SparseLoCo fragments: use SparseLoCo arms only (--arms sparseloco)")
     try:
         model = bench_model(args)
@@ -857,10 +930,10 @@ def plan(argv: list[str] | None = None) -> Plan:
         )
     except ValueError as e:
         ap.error(f"--steps/--batch: {e}")
-    s = Setup(model=model, replicas=args.replicas, train=train)
+    s = Setup(model=model, replicas=args.replicas, train=train, moe_experts=args.moe_experts)
     syncs: dict[str, SyncSpec] = {}
     for name in arms:
-        if name == "adamw":
+        if name in DATA_PARALLEL_ARMS:
             continue
         try:
             syncs[name] = arm_sync(name, args)
@@ -887,7 +960,7 @@ def check(p: Plan) -> dict[str, Any]:
     ident = Identity.from_seed(bytes([1]) * 32)
     arms: dict[str, dict[str, Any]] = {}
     for name in p.arms:
-        if name == "adamw":
+        if name in DATA_PARALLEL_ARMS:
             arms[name] = {"method": "adamw"}
             continue
         spec = arm_spec(name, p.syncs[name], p.setup)
@@ -941,8 +1014,8 @@ def main(argv: list[str] | None = None) -> int:
         results: list[Result] = []
         for name in arms:
             r = (
-                run_adamw(s, corpus, val, log)
-                if name == "adamw"
+                run_adamw(s, corpus, val, log, name)
+                if name in DATA_PARALLEL_ARMS
                 else run_outer(name, syncs[name], s, corpus, val, store, log, attack, p.kill)
             )
             log.info("%s: val bpb %.4f (%.0f s)", name, r.val_bpb, r.train_s)
@@ -1030,6 +1103,19 @@ def main(argv: list[str] | None = None) -> int:
         "gap_butterfly_vs_sparseloco": gap("butterfly", "sparseloco"),
         "gap_muon_vs_sparseloco": gap("muon", "sparseloco"),
         "gap_stochastic_vs_sparseloco": gap("stochastic", "sparseloco"),
+        "gap_moe_vs_moe_adamw": gap("moe", "moe_adamw"),
+        "gap_moe_vs_sparseloco": gap("moe", "sparseloco"),
+        "gap_moe_adamw_vs_adamw": gap("moe_adamw", "adamw"),
+        "moe": None
+        if not {"moe", "moe_adamw"} & set(by)
+        else {
+            "experts": s.moe_experts,
+            "top_k": 2,
+            "params": s.model_of("moe").n_params,
+            "active_params": s.model_of("moe").n_active_params,
+            "dense_params": model.n_params,
+            "load_ratio": {r.name: r.load_ratio for r in results if r.load_ratio},
+        },
         "butterfly_val_bpb": [round(x, 5) for x in by["butterfly"].replica_bpb]
         if "butterfly" in by
         else None,

@@ -115,3 +115,19 @@ def test_bench_quality_butterfly_arm_reads_one_message_per_exchange() -> None:
     assert 0.9 < down["butterfly"] / up["butterfly"] < 1.1  # one partner's message of its own size
     assert 2.5 < down["sparseloco"] / up["sparseloco"] < 3.5  # N - 1 = 3 fragments
     assert 0 < out["butterfly_spread"] < 1 and len(set(out["butterfly_val_bpb"])) > 1
+
+
+def test_bench_quality_moe_arms_match_the_dense_active_parameters() -> None:
+    """The MoE arms (issue 24): the same active parameters as the dense model (top-2 experts of half its
+    width), the expert bias moved by the per-step barrier (the bench checks every replica's is the same)
+    under SparseLoCo, and by the global batch under data-parallel AdamW; both train and report the load."""
+    out = run_bench(
+        "scripts.bench_quality", "--replicas", "2", "--steps", "30", "--H", "5", "--warmup", "5",
+        "--eval-batches", "2", "--arms", "moe,moe_adamw", "--d-model", "64", "--batch", "4", "--threads", "1",
+    )  # fmt: skip
+    moe = out["moe"]
+    assert abs(moe["active_params"] - moe["dense_params"]) / moe["dense_params"] < 0.01
+    assert moe["params"] > 2 * moe["dense_params"]
+    assert all(0 < v < 8 for v in out["val_bpb"].values())
+    assert set(moe["load_ratio"]) == {"moe", "moe_adamw"}
+    assert all(r >= 1.0 for arm in moe["load_ratio"].values() for r in arm.values())

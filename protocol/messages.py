@@ -505,6 +505,8 @@ class RoundRecord:
 MAX_ROUTE_BYTES = 1 << 20
 """A RouteCounts' counts: 4 bytes per (MoE layer, expert), e.g. 16 layers x 256 experts = 16 KiB; 1 MiB
 bounds what a reader decodes."""
+MAX_ROUTE_RECORD_BYTES = MAX_ROUTE_BYTES + 4096
+"""A RouteCounts envelope as stored: its counts plus a signed header of a few hundred bytes."""
 
 
 @dataclass(kw_only=True, frozen=True)

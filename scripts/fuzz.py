@@ -16,7 +16,7 @@ is never proof of honest bytes. Input i of a decoder is a pure function of (--se
 `--repro` rebuilds it in a fresh process.
 
 What a node, a coordinator or `export` reads from the store (anyone with the store's credentials writes it):
-`envelope:RoundRecord`, `checkpoint:manifest` and `checkpoint:pointer` (`open_envelope` within the reader's
+`envelope:RoundRecord`, `envelope:RouteCounts`, `checkpoint:manifest` and `checkpoint:pointer` (`open_envelope` within the reader's
 size bound), `certificate` (`read_certificate`, then `OperatorTrust.delegation`, the rule every reader of a
 coordinator's object applies) and `corpus_manifest` (`parse_manifest`: the bytes mutated, JSON pieces
 spliced in, lines dropped, repeated, swapped, taken from another manifest or nested up to 5,000 deep, each
@@ -73,6 +73,7 @@ import msgpack
 
 from protocol.envelope import MAX_ENVELOPE_BYTES, kind_of, seal, signed_bytes
 from protocol.identity import Identity, SignatureError
+from protocol.messages import MAX_ROUTE_RECORD_BYTES
 from protocol.schema import ProtocolError, to_dict
 
 NOW = 1_700_000_000.0
@@ -1013,7 +1014,7 @@ NOISE = 0.03
 def _store_messages() -> dict[str, list[Any]]:
     """Valid bodies of the kinds read from the store: what a node, a coordinator or `export` GETs."""
     from protocol import keys
-    from protocol.messages import CheckpointManifest, CheckpointPointer, RecordEntry, RoundRecord
+    from protocol.messages import CheckpointManifest, CheckpointPointer, RecordEntry, RoundRecord, RouteCounts
 
     me, other = _peer_ids()
 
@@ -1062,6 +1063,22 @@ def _store_messages() -> dict[str, list[Any]]:
             RoundRecord(run_id="run-7", stage=0, fragment=0, round=2**40, entries=[]),
         ],
         "CheckpointManifest": manifests,
+        # an MoE run's per-step routing counts (node/sync/route_exchange.py)
+        "RouteCounts": [
+            RouteCounts(
+                run_id="r1",
+                group=1,
+                step=70_000,
+                replica=2,
+                tokens=2048,
+                experts=8,
+                layers=[2, 3],
+                counts=b"".join(int(v).to_bytes(4, "little") for v in [512] * 16),
+            ),
+            RouteCounts(
+                run_id="run-7", group=0, step=0, replica=0, tokens=0, experts=1, layers=[], counts=b""
+            ),
+        ],
         "CheckpointPointer": [
             CheckpointPointer(
                 **slot,
@@ -1302,6 +1319,9 @@ DECODERS: dict[str, Callable[[], Target]] = {
     # read from the store (issue 21)
     "envelope:RoundRecord": lambda: StoredEnvelopeTarget(
         "envelope:RoundRecord", "RoundRecord", MAX_ENVELOPE_BYTES
+    ),
+    "envelope:RouteCounts": lambda: StoredEnvelopeTarget(
+        "envelope:RouteCounts", "RouteCounts", MAX_ROUTE_RECORD_BYTES
     ),
     "checkpoint:manifest": lambda: _checkpoint_target("manifest"),
     "checkpoint:pointer": lambda: _checkpoint_target("pointer"),

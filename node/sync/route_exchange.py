@@ -39,15 +39,14 @@ from node.sync.round_rule import STORE_MARGIN_S, decide_step, majority
 from protocol import keys
 from protocol.envelope import open_envelope, seal
 from protocol.identity import Identity, peer_id_of
-from protocol.messages import MAX_ROUTE_BYTES, RouteCounts
+from protocol.messages import MAX_ROUTE_RECORD_BYTES, RouteCounts
 from protocol.net.store import ObjectStore, StoreError
 from protocol.runspec import RunSpec
 from protocol.schema import ProtocolError
 
 log = logging.getLogger(__name__)
 
-MAX_RECORD_BYTES = MAX_ROUTE_BYTES + 4096
-"""A RouteCounts envelope: its counts plus a signed header of a few hundred bytes."""
+MAX_RECORD_BYTES = MAX_ROUTE_RECORD_BYTES
 
 
 @dataclass

@@ -483,7 +483,9 @@ def test_two_runs_at_once_share_the_swarm_and_nothing_else(swarm: Swarm, tmp_pat
         other = runs[1 - runs.index(rid)]
         assert not [k for k in keys_of_run if other in k]
     assert not [
-        k for k in store.list("swarm-") if not k.startswith(("swarm-a/", "swarm-m/", "swarm-p/", "swarm-q/"))
+        k
+        for k in store.list("swarm-")
+        if not k.startswith(("swarm-a/", "swarm-moe/", "swarm-m/", "swarm-p/", "swarm-q/"))
     ]
     signers = {k.public_key for k in _node_identities(swarm)}
     for st in (0, 1):
@@ -798,6 +800,62 @@ def test_lost_node_is_replaced_and_its_replica_resumes(swarm: Swarm, tmp_path: P
         common = sorted(set(hist[0]) & set(hist[1]))
         assert common and min(common) <= rejoined + 1, (st, common, rejoined)
         assert all(hist[0][r] == hist[1][r] for r in common), f"stage {st}: anchors differ"
+
+
+def test_a_preempted_node_leaves_after_its_checkpoint_and_is_replaced_at_once(
+    swarm: Swarm, tmp_path: Path
+) -> None:
+    """Issue 26 acceptance 3: SIGTERM to a training node is a spot host's notice. It trains on to its
+    next round's checkpoint (within --preempt-notice-s), advertises "leaving" and exits 0; the coordinator
+    re-places its slot with the spare at once (no churn grace: a killed node is noticed only after 2 x
+    the grace), the replica resumes from that very checkpoint (no round lost) and the run ends with one
+    consensus."""
+    from scripts.local_swarm import LOCAL_CHURN_GRACE_S, LOCAL_PREEMPT_NOTICE_S
+
+    while sum(c.alive for c in swarm.nodes) < 5:  # 4 slots and a spare
+        swarm.respawn_node()
+    run_id, H = "swarm-pre", 5
+    toml = tmp_path / "run.toml"
+    toml.write_text(
+        RUN_TOML.format(run_id=run_id, steps=60, H=H, timeout=30).replace(
+            'method = "diloco"', 'method = "sparseloco"'
+        )
+    )
+    swarm.launch(toml)
+    wait_until(
+        lambda: (m := run_metrics(swarm, run_id)) and len(m) == 4 and min(x["step"] for x in m) >= 8,
+        300,
+        f"run {run_id} to pass its first round",
+    )
+    victim = _slot_index(swarm, run_id, 1, 1)
+    busy = {i for i, st in enumerate(swarm.statuses()) if st and st["metrics"]["run_id"] == run_id}
+    spare = next(i for i, c in enumerate(swarm.nodes) if c.alive and i not in busy)
+    t0 = time.monotonic()
+    swarm.nodes[victim].terminate()
+    assert swarm.nodes[victim].proc.wait(30) == 0
+    left = re.search(r"left after the checkpoint of round (\d+)", swarm.nodes[victim].log_text())
+    assert left, swarm.nodes[victim].tail()
+
+    def replacing():
+        st = swarm.statuses()[spare]
+        m = st["metrics"] if st else None
+        return m and m["run_id"] == run_id and m["state"] == "training" and m["step"] > 0 and m
+
+    wait_until(replacing, 60, "the spare to take the preempted node's slot and train")
+    recovered_s = time.monotonic() - t0
+    # the notice's round, then at once: a kill costs 2 x the churn grace before anything happens
+    assert recovered_s < LOCAL_PREEMPT_NOTICE_S + 2 * LOCAL_CHURN_GRACE_S, recovered_s
+    assert "rebuilding replica(s) [1]" in swarm.coordinator.log_text()
+    assert f"resumes from round {left.group(1)} " in swarm.nodes[spare].log_text()  # nothing replayed
+
+    def finished():
+        ms = [s["metrics"] for i, s in enumerate(swarm.statuses()) if i != victim and s]
+        ms = [m for m in ms if m["run_id"] == run_id]
+        return len(ms) == 4 and all(m["state"] == "done" for m in ms) and ms
+
+    ms = wait_until(finished, 300, f"{run_id} to finish with the replacement")
+    for stage in (0, 1):
+        assert len({m["weights_sha256"] for m in ms if m["stage"] == stage}) == 1
 
 
 def test_without_spares_a_crashed_replica_drops_out_and_stop_works(swarm: Swarm, tmp_path: Path) -> None:

@@ -68,9 +68,13 @@ class RunWatch:
         spec, pl = run.record.spec, run.placement
         assert pl is not None
         now, dnow = time.monotonic(), dht_time()
-        done, gone, failed, stale = 0, set(), set(), set()
+        done, gone, failed, stale, left = 0, set(), set(), set(), set()
         for peer in pl.slots.values():
             a = adverts.get(peer)
+            if a is not None and a.state == "leaving":  # given notice and gone: no grace to wait out
+                gone.add(peer)
+                left.add(peer)
+                continue
             if a is not None and dnow - a.timestamp > self.churn_grace_s:
                 stale.add(peer)  # maybe dead: wait until it is gone before rebuilding around it
             # adverts refresh every 5 s; a DHT read may return a copy a few refreshes old, hence 2x grace
@@ -89,7 +93,8 @@ class RunWatch:
                 if now - run.missing_since.setdefault(peer, now) > self.churn_grace_s:
                     failed.add(peer)
         for peer in gone:
-            note_failure(run, peer, "its node stopped advertising (process or host down)")
+            why = "its node left (a stop notice)" if peer in left else "its node stopped advertising"
+            note_failure(run, peer, why if peer in left else f"{why} (process or host down)")
         stale_replicas = {r for (r, s), p in pl.slots.items() if p in stale}
         broken = {
             r for (r, s), p in pl.slots.items() if p in gone or (p in failed and r not in stale_replicas)

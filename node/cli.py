@@ -184,9 +184,10 @@ def _logging(level: str, fmt: str = "text") -> None:
     setup_logging(level, fmt)
 
 
-def _install_signals(on_stop: Any) -> None:
-    # a worker stops at its next step, a checkpoint upload finishes: 15 s, then the stacks and exit
-    install_stop_signals(on_stop, grace_s=15.0)
+def _install_signals(on_stop: Any, extra_s: float = 0.0) -> None:
+    # a worker stops at its next step (or, under a preemption notice, after extra_s at most), a checkpoint
+    # upload finishes: 15 s more, then the stacks and exit
+    install_stop_signals(on_stop, grace_s=15.0 + extra_s)
 
 
 def cmd_identity(args: argparse.Namespace) -> int:
@@ -283,7 +284,7 @@ def cmd_join(args: argparse.Namespace) -> int:
         raise UsageError(f"{st.label('node', 'bootstrap')}: {e}") from e
     except ValueError as e:  # e.g. --device cuda on a host without one
         raise UsageError(str(e)) from e
-    _install_signals(daemon.stop_event.set)
+    _install_signals(daemon.notice, extra_s=cfg.preempt_notice_s)
     print(
         f"crucible-node ready: peer_id={daemon.peer_id} pipeline={cfg.announce_host or cfg.host}:{daemon.acceptor.port} "
         f"health=http://{cfg.host}:{daemon.health.port}/health device={daemon.device} "

@@ -203,6 +203,13 @@ class NodeConfig:
         check=optional(a_folder),
     )
 
+    preempt_notice_s: float = setting(
+        10.0,
+        "on SIGTERM (a spot host's preemption notice), train on for at most this many seconds to the next "
+        "round's checkpoint, then advertise 'leaving' so the coordinator replaces the node at once, and exit "
+        "(0: stop at the next step)",
+        check=in_range(0, 600, "seconds"),
+    )
     advert_ttl_s: float = setting(
         30.0,
         "DHT advert lifetime in seconds, refreshed every third of it (at most 5 s): a coordinator counts a node "

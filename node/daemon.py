@@ -339,6 +339,8 @@ class NodeDaemon:
         self._metrics = WorkerMetrics()
         self.assignment: Assignment | None = None
         self._stop_reason: str | None = None
+        self._notice: tuple[float, int] | None = None
+        """(when, the last checkpointed round then): a preemption notice (SIGTERM) is being served."""
         self.coordinator_role: CoordinatorChild | None = None
         self._worker_thread: threading.Thread | None = None
         self._worker: StageWorker | None = None
@@ -581,7 +583,7 @@ class NodeDaemon:
             acceptor=self.acceptor,
             data=self.data,
             metrics=self.metrics,
-            should_stop=lambda: self._stop_reason,
+            should_stop=lambda: self._stop_reason or self._preempted(),
             device=self.device,
             compile=self.cfg.compile,
             node_shaper=self.shaper,
@@ -629,10 +631,48 @@ class NodeDaemon:
         self._worker_thread = threading.Thread(target=run, name="worker", daemon=True)
         self._worker_thread.start()
 
+    # --- preemption -------------------------------------------------------------------------------
+    def notice(self) -> None:
+        """SIGTERM: a spot host's preemption notice, or an operator's stop. An idle node stops now; a
+        training one trains on to its next round's checkpoint (at most --preempt-notice-s), so its
+        replacement loses no round, then advertises "leaving" (the coordinator re-places its slot without
+        waiting for the churn grace) and stops (`serve` sees its worker end)."""
+        t = self._worker_thread
+        if t is None or not t.is_alive() or self.cfg.preempt_notice_s <= 0:
+            self.stop_event.set()
+            return
+        self._notice = (time.monotonic(), self.metrics.anchor_round)
+        log.warning(
+            "notice to stop: training on to the next checkpoint (at most %.0f s), then leaving the run",
+            self.cfg.preempt_notice_s,
+        )
+
+    def _preempted(self) -> str | None:
+        """The worker's stop reason under a notice: once a checkpoint newer than the notice is taken, or
+        the notice has run out."""
+        if self._notice is None:
+            return None
+        at, rnd = self._notice
+        if self.metrics.anchor_round > rnd:
+            return f"preempted: left after the checkpoint of round {self.metrics.anchor_round}"
+        if time.monotonic() - at > self.cfg.preempt_notice_s:
+            return f"preempted: no checkpoint within the {self.cfg.preempt_notice_s:.0f} s notice"
+        return None
+
+    def _leave(self) -> None:
+        """After a notice, once the worker ended: advertise "leaving" now, then stop the node."""
+        self.metrics.state = "leaving"
+        try:
+            self.dht.publish(keys.NODES_KEY, self.advert(), self.cfg.advert_ttl_s)
+        except Exception as e:  # the slot then frees after the churn grace, as for a lost node
+            log.warning("could not advertise leaving: %s", e)
+        log.info("left the run after a notice; stopping")
+        self.stop_event.set()
+
     def _run_ended(self, a: Assignment) -> bool:
         """Whether the node stopped the worker or the run ended (stopped, done, failed): a link broken by
         a neighbour that stopped first is then no failure."""
-        if self._stop_reason is not None:
+        if self._stop_reason is not None or self._preempted() is not None:
             return True
         try:
             return self.source.run_state(a.run_id) in ENDED
@@ -673,6 +713,13 @@ class NodeDaemon:
         self.prober.start()
         last_run_check = 0.0
         while not self.stop_event.is_set():
+            if self._notice is not None:  # under notice: no new work; leave once the worker is done
+                t = self._worker_thread
+                if t is None or not t.is_alive():
+                    self._leave()
+                    break
+                self.stop_event.wait(min(self.cfg.poll_s, 0.2))
+                continue
             try:
                 new = self._poll_assignment()
                 if new is not None:

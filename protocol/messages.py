@@ -63,7 +63,8 @@ def _check_certificate(where: str, certificate: bytes) -> None:
         )
 
 
-NodeState = Literal["idle", "assigned", "training", "done", "failed"]
+NodeState = Literal["idle", "assigned", "training", "done", "failed", "leaving"]
+""""leaving": the node was given notice (SIGTERM) and is shutting down; its slot is free at once."""
 RunState = Literal["pending", "running", "stopping", "stopped", "done", "failed"]
 
 

@@ -44,6 +44,7 @@ if TYPE_CHECKING:
     from protocol.runspec import RunSpec
 
 NODE_PRICE_PER_HOUR = 0.10
+"""$/h every swarm node advertises; the prediction prices tokens with it."""
 
 # Fault timers of a swarm on one host. Its DHT answers in milliseconds, so nodes refresh their adverts
 # every 3 s (TTL 9 s) and the coordinator counts a node gone after 2 x 6 s of silence (the defaults,
@@ -51,7 +52,9 @@ NODE_PRICE_PER_HOUR = 0.10
 LOCAL_ADVERT_TTL_S = 9.0
 LOCAL_CHURN_GRACE_S = 6.0
 LOCAL_LEASE_S = 8.0
-"""$/h every swarm node advertises; the prediction prices tokens with it."""
+LOCAL_PREEMPT_NOTICE_S = 5.0
+"""A node given notice (SIGTERM) trains on to its next checkpoint for at most this long (default 10 s):
+the local swarm's rounds are seconds long, and its stop waits 20 s for every node."""
 
 DEFAULT_RUN = """\
 [run]
@@ -349,6 +352,8 @@ class Swarm:
                 f"{NODE_PRICE_PER_HOUR:.2f}",
                 "--advert-ttl-s",
                 f"{LOCAL_ADVERT_TTL_S:g}",
+                "--preempt-notice-s",
+                f"{LOCAL_PREEMPT_NOTICE_S:g}",
                 *self.node_args.get(i, []),
             ],
             self.node_env,

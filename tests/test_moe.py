@@ -187,8 +187,10 @@ def test_every_replica_moves_its_bias_by_the_same_agreed_load(store: ObjectStore
 
 
 def test_a_cut_off_replica_applies_the_same_updates_when_it_is_back(store: ObjectStore) -> None:
-    """Replica 2's store access to the routing channel is cut for steps 1-2: the others decide those
-    steps without its counts (after W + M), and when it is back it applies exactly their updates."""
+    """Replica 2's store access to the routing channel is cut while the others train steps 1-3: they
+    decide those steps without its counts (each after W + M), it waits at the first set it needs instead
+    of guessing, and once it is back it applies exactly their updates (its late records stay out, for
+    everyone alike); then all three go on together."""
     s = spec(replicas=3)
     models, balancers = _replicas(store, s, 3)
     cut = threading.Event()
@@ -208,23 +210,30 @@ def test_a_cut_off_replica_applies_the_same_updates_when_it_is_back(store: Objec
     balancers[2].exchanges[0].store = Cut()  # type: ignore[assignment]
     _run_step(models, balancers, s, 0)
     cut.set()
-    for r in range(3):
-        _train_step(models[r], r, 1, s)
-    threads = [threading.Thread(target=balancers[r].step_done, args=(1,)) for r in range(3)]
-    for t in threads:
-        t.start()
-    for t in threads[:2]:  # decided without replica 2 (W + M on the store's clock)
-        t.join(timeout=60)
-        assert not t.is_alive()
-    assert threads[2].is_alive(), "a cut-off replica must wait for the agreed set, not guess it"
+    _train_step(models[2], 2, 1, s)
+    stuck = threading.Thread(target=balancers[2].step_done, args=(1,))
+    stuck.start()
+    for step in (1, 2, 3):  # the others, without replica 2
+        for r in (0, 1):
+            _train_step(models[r], r, step, s)
+        pair = [threading.Thread(target=balancers[r].step_done, args=(step,)) for r in (0, 1)]
+        for t in pair:
+            t.start()
+        for t in pair:
+            t.join(timeout=60)
+            assert not t.is_alive()
+        assert balancers[0].exchanges[0].stats.last_members == [0, 1]
+    assert stuck.is_alive(), "a cut-off replica must wait for the agreed set, not guess it"
     cut.clear()
-    threads[2].join(timeout=60)
-    assert not threads[2].is_alive()
+    stuck.join(timeout=60)
+    assert not stuck.is_alive()
+    for step in (2, 3):  # it catches up: its records of these steps land late and stay out
+        _train_step(models[2], 2, step, s)
+        assert balancers[2].step_done(step)
     assert len({bias_digest(m) for m in models}) == 1
-    assert balancers[0].exchanges[0].stats.last_members == [0, 1]
     assert balancers[2].exchanges[0].stats.last_members == [0, 1]
-    assert balancers[0].stats.missing == 1 and balancers[2].stats.not_published >= 1
-    _run_step(models, balancers, s, 2)
+    assert balancers[0].stats.missing == 3 and balancers[2].stats.not_published >= 1
+    _run_step(models, balancers, s, 4)
     assert len({bias_digest(m) for m in models}) == 1
     assert balancers[0].exchanges[0].stats.last_members == [0, 1, 2]
 

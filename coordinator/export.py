@@ -12,7 +12,7 @@ its blocks before first_k_dense_replace = moe.first_dense are dense SwiGLUs of i
 its experts SwiGLUs of moe_intermediate_size, and GLM's always-built shared SwiGLU (width
 n_shared_experts x moe_intermediate_size) is ours, or zero-wide when we have none. The expert bias is a
 buffer, not a parameter: a checkpoint holds it under "model." only, outside the anchor digest two replicas
-sign, so `consensus_states` also asks two nodes' checkpoints to hold it bit for bit (node/moe.py moves it
+sign, so `consensus_states` also asks two nodes' checkpoints to hold it bit for bit (node/sync/expert_bias.py moves it
 alike on every replica).
 
 What the crucible model computes that HF Llama does not, and how it is folded (DESIGN section 4,
@@ -523,7 +523,7 @@ def _with_quorum(
 
 
 class _BiasWitnesses:
-    """The expert biases (node/moe.py) that the checkpoints of one agreed anchor hold, by signer. The digest
+    """The expert biases (node/sync/expert_bias.py) that the checkpoints of one agreed anchor hold, by signer. The digest
     two replicas sign covers the parameters' anchors only, and the bias is a buffer under "model.", so one
     node could change it alone: a state counts once two different nodes' checkpoints hold its biases bit for
     bit, as every honest replica's do (a state without MoE blocks counts at once)."""

@@ -284,7 +284,7 @@ def cmd_join(args: argparse.Namespace) -> int:
         raise UsageError(f"{st.label('node', 'bootstrap')}: {e}") from e
     except ValueError as e:  # e.g. --device cuda on a host without one
         raise UsageError(str(e)) from e
-    _install_signals(daemon.notice, extra_s=cfg.preempt_notice_s)
+    _install_signals(daemon.notice.give, extra_s=cfg.preempt_notice_s)
     print(
         f"crucible-node ready: peer_id={daemon.peer_id} pipeline={cfg.announce_host or cfg.host}:{daemon.acceptor.port} "
         f"health=http://{cfg.host}:{daemon.health.port}/health device={daemon.device} "

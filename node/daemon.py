@@ -27,6 +27,7 @@ from node.metrics import NodeMetrics, node_families
 from node.pipeline.acceptor import Acceptor
 from node.pipeline.link_prober import LinkProber
 from node.pipeline.transport import LinkError, Shaper, listen
+from node.preemption import Notice
 from node.preflight import refuse_if_taken, refuse_live_twin
 from node.probe import device_name, measure_reference_block, measure_store_mbps, measure_tflops, memory_gb
 from node.worker import LN2, StageWorker, WorkerMetrics
@@ -339,8 +340,12 @@ class NodeDaemon:
         self._metrics = WorkerMetrics()
         self.assignment: Assignment | None = None
         self._stop_reason: str | None = None
-        self._notice: tuple[float, int] | None = None
-        """(when, the last checkpointed round then): a preemption notice (SIGTERM) is being served."""
+        self.notice = Notice(  # SIGTERM (node/preemption.py)
+            cfg.preempt_notice_s,
+            training=lambda: self._worker_thread is not None and self._worker_thread.is_alive(),
+            checkpointed=lambda: self.metrics.anchor_round,
+            stop=self.stop_event.set,
+        )
         self.coordinator_role: CoordinatorChild | None = None
         self._worker_thread: threading.Thread | None = None
         self._worker: StageWorker | None = None
@@ -496,39 +501,8 @@ class NodeDaemon:
             self._advert_wake.clear()
 
     def status(self) -> dict:
-        a = self.assignment
-        return {
-            "peer_id": self.peer_id,
-            "state": self.metrics.state,
-            "pipeline": f"{self.cfg.announce_host or self.cfg.host}:{self.acceptor.port}",
-            "device": describe(self.device),
-            "precision": self.metrics.precision or self.default_precision,
-            "free_memory_gb": round(free_memory_bytes(self.device) / 1e9, 2),
-            "tflops": self.tflops,
-            "tflops_fp32": self.tflops_fp32,
-            "tflops_bf16": self.tflops_bf16,
-            "ref_block": self.ref_block,
-            "ref_block_s": self.ref_block_s,
-            "store_mbps": self.store_mbps,
-            "coordinator_role": None
-            if self.coordinator_role is None
-            else {"pid": self.coordinator_role.pid, "restarts": self.coordinator_role.restarts},
-            "links": {
-                p: {"mbps": round(m.mbps, 1), "rtt_ms": round(m.rtt_ms, 2)}
-                for p, m in self.prober.advertised()
-            },
-            "assignment": None
-            if a is None
-            else {
-                "run_id": a.run_id,
-                "term": a.term,
-                "epoch": a.epoch,
-                "replica": a.replica,
-                "stage": a.stage,
-            },
-            "ignored_assignment": self.source.last_ignored,
-            "metrics": self.metrics.as_dict(),
-        }
+        """GET /status: `node_status`."""
+        return node_status(self)
 
     # --- assignments ------------------------------------------------------------------------------
     def _poll_assignment(self) -> Assignment | None:
@@ -583,7 +557,7 @@ class NodeDaemon:
             acceptor=self.acceptor,
             data=self.data,
             metrics=self.metrics,
-            should_stop=lambda: self._stop_reason or self._preempted(),
+            should_stop=lambda: self._stop_reason or self.notice.reason(),
             device=self.device,
             compile=self.cfg.compile,
             node_shaper=self.shaper,
@@ -631,34 +605,6 @@ class NodeDaemon:
         self._worker_thread = threading.Thread(target=run, name="worker", daemon=True)
         self._worker_thread.start()
 
-    # --- preemption -------------------------------------------------------------------------------
-    def notice(self) -> None:
-        """SIGTERM: a spot host's preemption notice, or an operator's stop. An idle node stops now; a
-        training one trains on to its next round's checkpoint (at most --preempt-notice-s), so its
-        replacement loses no round, then advertises "leaving" (the coordinator re-places its slot without
-        waiting for the churn grace) and stops (`serve` sees its worker end)."""
-        t = self._worker_thread
-        if t is None or not t.is_alive() or self.cfg.preempt_notice_s <= 0:
-            self.stop_event.set()
-            return
-        self._notice = (time.monotonic(), self.metrics.anchor_round)
-        log.warning(
-            "notice to stop: training on to the next checkpoint (at most %.0f s), then leaving the run",
-            self.cfg.preempt_notice_s,
-        )
-
-    def _preempted(self) -> str | None:
-        """The worker's stop reason under a notice: once a checkpoint newer than the notice is taken, or
-        the notice has run out."""
-        if self._notice is None:
-            return None
-        at, rnd = self._notice
-        if self.metrics.anchor_round > rnd:
-            return f"preempted: left after the checkpoint of round {self.metrics.anchor_round}"
-        if time.monotonic() - at > self.cfg.preempt_notice_s:
-            return f"preempted: no checkpoint within the {self.cfg.preempt_notice_s:.0f} s notice"
-        return None
-
     def _leave(self) -> None:
         """After a notice, once the worker ended: advertise "leaving" now, then stop the node."""
         self.metrics.state = "leaving"
@@ -672,7 +618,7 @@ class NodeDaemon:
     def _run_ended(self, a: Assignment) -> bool:
         """Whether the node stopped the worker or the run ended (stopped, done, failed): a link broken by
         a neighbour that stopped first is then no failure."""
-        if self._stop_reason is not None or self._preempted() is not None:
+        if self._stop_reason is not None or self.notice.reason() is not None:
             return True
         try:
             return self.source.run_state(a.run_id) in ENDED
@@ -713,7 +659,7 @@ class NodeDaemon:
         self.prober.start()
         last_run_check = 0.0
         while not self.stop_event.is_set():
-            if self._notice is not None:  # under notice: no new work; leave once the worker is done
+            if self.notice.pending:  # under notice: no new work; leave once the worker is done
                 t = self._worker_thread
                 if t is None or not t.is_alive():
                     self._leave()
@@ -752,3 +698,33 @@ class NodeDaemon:
         self.dht.shutdown()
         if self._device_claim is not None:
             self._device_claim.close()
+
+
+def node_status(d: NodeDaemon) -> dict:
+    """GET /status of a node: what it measured, its coordinator role, links, assignment and metrics."""
+    a = d.assignment
+    return {
+        "peer_id": d.peer_id,
+        "state": d.metrics.state,
+        "pipeline": f"{d.cfg.announce_host or d.cfg.host}:{d.acceptor.port}",
+        "device": describe(d.device),
+        "precision": d.metrics.precision or d.default_precision,
+        "free_memory_gb": round(free_memory_bytes(d.device) / 1e9, 2),
+        "tflops": d.tflops,
+        "tflops_fp32": d.tflops_fp32,
+        "tflops_bf16": d.tflops_bf16,
+        "ref_block": d.ref_block,
+        "ref_block_s": d.ref_block_s,
+        "store_mbps": d.store_mbps,
+        "coordinator_role": None
+        if d.coordinator_role is None
+        else {"pid": d.coordinator_role.pid, "restarts": d.coordinator_role.restarts},
+        "links": {
+            p: {"mbps": round(m.mbps, 1), "rtt_ms": round(m.rtt_ms, 2)} for p, m in d.prober.advertised()
+        },
+        "assignment": None
+        if a is None
+        else {"run_id": a.run_id, "term": a.term, "epoch": a.epoch, "replica": a.replica, "stage": a.stage},
+        "ignored_assignment": d.source.last_ignored,
+        "metrics": d.metrics.as_dict(),
+    }

@@ -79,7 +79,7 @@ class SwiGLU(nn.Module):
 class Router(nn.Module):
     """DeepSeek-V3's router (GLM-4.5's too): sigmoid scores s = sigmoid(W x) in fp32; each token goes to
     the top_k experts of s + b, weighted by its s there, normalized to sum to one. The expert bias b
-    (a buffer, no gradient) only chooses: node/moe.py moves it to balance the experts' load."""
+    (a buffer, no gradient) only chooses: node/sync/expert_bias.py moves it to balance the experts' load."""
 
     def __init__(self, d_model: int, experts: int, top_k: int) -> None:
         super().__init__()
@@ -102,7 +102,7 @@ class MoE(nn.Module):
     expert's output weighted by its score, plus the shared SwiGLU every token goes through. Each expert is
     its own 2-D matrices (`experts.{e}.w_gate.weight`, ...), so SparseLoCo tiles, Muon orthogonalizes and
     the subspace constraint confines an expert's w_down like any dense block's. `load` counts the tokens
-    each expert took in training forwards since node/moe.py last took it."""
+    each expert took in training forwards since node/sync/expert_bias.py last took it."""
 
     def __init__(self, spec: ModelSpec) -> None:
         super().__init__()

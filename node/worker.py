@@ -28,12 +28,12 @@ from node.inner_step import (
     prepare_stage,
 )
 from node.model import Stage, build_stage
-from node.moe import Balancer, Signers, stage_balancer
 from node.pipeline.acceptor import Acceptor
 from node.pipeline.hello_proof import find_sealed
 from node.pipeline.schedule import PipelineStage, StepStats
 from node.pipeline.transport import Link, Shaper, connect
 from node.subspace_model import boundary_codecs, confinement, constrain_stage, project_weights_
+from node.sync.expert_bias import Balancer, Signers, stage_balancer
 from node.sync.outer_sync import LocalState, OuterSync
 from node.sync.pair_sync import PAIR_OUTCOMES, pair_settings
 from node.sync.sparseloco_sync import make_sync_parts
@@ -104,7 +104,7 @@ class WorkerMetrics:
     """MoE: layer -> max / mean tokens per expert in this replica's own last step."""
     expert_bias_history: list[tuple[int, str]] = field(default_factory=list)
     """MoE: (step, sha256 of the stage's expert biases used at that step) of the last steps: every
-    replica's stage holding those layers shows the same digest at the same step (node/moe.py)."""
+    replica's stage holding those layers shows the same digest at the same step (node/sync/expert_bias.py)."""
     routing: dict[str, float] = field(default_factory=dict)
     """MoE: the routing statistics' per-step barrier (node/sync/route_exchange.py): steps, wait_s (the
     training time it stalled), settle_s (from a step's end until its set was final, in the background),

@@ -171,7 +171,7 @@ def layer_activation_bytes_per_token(d_model: int, d_ff: int, precision: str) ->
 
 def block_activation_bytes_per_token(model: ModelSpec, layer: int, precision: str) -> int:
     """Bytes block `layer` keeps per token for its backward. A dense block: as above. An MoE block
-    (node/moe.py) counts as a dense one whose SwiGLU is as wide as the experts a token visits, top_k + the
+    (node/sync/expert_bias.py) counts as a dense one whose SwiGLU is as wide as the experts a token visits, top_k + the
     shared width, plus, per routed visit, the token's gathered input and weighted output (2 d, fp32) and
     the router's fp32 logits, scores and choice (12 E). An estimate from the tensors, not yet measured."""
     d = model.d_model
@@ -229,7 +229,7 @@ def stage_params(spec: RunSpec, stage: int, replica: int | None = None) -> int:
 def block_matrix_params(spec: RunSpec, start: int, end: int) -> int:
     """Parameters of blocks [start, end)'s 2-D matrices (attention 4 d^2, the SwiGLU MLP or the experts'):
     what autocast casts in a block, and what Muon trains under train.optimizer = "muon". An MoE block's
-    router (E x d) is neither: it scores in fp32 and trains with AdamW (node/moe.py)."""
+    router (E x d) is neither: it scores in fp32 and trains with AdamW (node/sync/expert_bias.py)."""
     m = spec.model
     d = m.d_model
     return sum(

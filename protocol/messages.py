@@ -142,7 +142,7 @@ class NodeAdvert:
     it writes through grants, so the coordinator seals them to it; empty otherwise."""
     expert_load: dict[str, float] = field(default_factory=dict)
     """MoE runs: max / mean tokens per expert of each of the stage's MoE layers (by layer) in the last
-    agreed step's load, every replica's tokens (node/moe.py); empty otherwise."""
+    agreed step's load, every replica's tokens (node/sync/expert_bias.py); empty otherwise."""
 
     def __post_init__(self) -> None:
         check_finite(self)
@@ -513,7 +513,7 @@ MAX_ROUTE_RECORD_BYTES = MAX_ROUTE_BYTES + 4096
 @dataclass(kw_only=True, frozen=True)
 class RouteCounts:
     """One replica's routing statistics of one inner step of one layer group (issue 24): for each MoE layer
-    of the group, the tokens its router sent to each expert (node/moe.py). Signed by a node of the slot and
+    of the group, the tokens its router sent to each expert (node/sync/expert_bias.py). Signed by a node of the slot and
     written once at `keys.route_key`; the step's agreed set of them moves every replica's expert bias
     alike (node/sync/route_exchange.py)."""
 

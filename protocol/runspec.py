@@ -61,7 +61,7 @@ class MoESpec:
     per token in every block from `first_dense` on, as DeepSeek-V3 and GLM-4.5 lay them out (sigmoid
     scores; an expert bias, used only to choose, balances the load without an auxiliary loss). The bias
     moves after each inner step by `bias_rate` x sign(mean load - expert load), from the token counts of
-    every replica (node/moe.py), so it is one state across the run. experts = 0: dense blocks only."""
+    every replica (node/sync/expert_bias.py), so it is one state across the run. experts = 0: dense blocks only."""
 
     experts: int = 0
     """Routed experts per MoE block (0: no MoE; every block is the dense SwiGLU of model.d_ff)."""
@@ -76,7 +76,7 @@ class MoESpec:
     bias_rate: float = 1e-3
     """gamma: how far one step moves an expert's bias (DeepSeek-V3's aux-loss-free balancing)."""
     stats_delay: int = 1
-    """D: the bias used at step t + 1 moves by the agreed routing counts of step t + 1 - D (node/moe.py):
+    """D: the bias used at step t + 1 moves by the agreed routing counts of step t + 1 - D (node/sync/expert_bias.py):
     with D = 1 each step waits for every replica's counts of the step before (a per-step barrier); a
     larger D lets replicas run up to D - 1 steps apart without waiting."""
     stats_timeout_s: float = 2.0

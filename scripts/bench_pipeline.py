@@ -19,11 +19,13 @@ Variants, each with its own model, optimizer and TCP connection:
                    --bandwidth-mbps per direction + --delay-ms one way
   (--compare-1f1b adds shaped_k32_1f1b: the same as shaped_k32 with plain 1F1B, no extra in-flight)
   shaped_dense     the plain model over the same shaped links
-They run back to back step by step: round r is step r of every variant, in the order listed. On a shared
-machine other work can take a core for tens of seconds and halve a variant's speed; interleaving puts
-each unshaped/shaped pair of steps seconds apart, so both see the same load. The tax is the median over
-the measured rounds of 1 - t(unshaped_dense) / t(shaped_k32) (step times of the same round); tokens/s are
-over all measured steps. The first --warmup rounds are left out.
+They run back to back step by step: round r is step r of every variant, in the order listed in even
+rounds and reversed in odd ones (`round_order`). On a shared machine other work can take a core for tens
+of seconds and halve a variant's speed; interleaving puts each unshaped/shaped pair of steps seconds
+apart, so both see the same load, and alternating the order lets neither always follow the other. The
+tax is the median over the measured rounds of 1 - t(unshaped_dense) / t(shaped_k32) (step times of the
+same round), with its spread over the rounds (`tax_spread`: min, max, interquartile range); tokens/s are
+over all measured steps. The first --warmup rounds are left out; more --steps, more rounds.
 
 Shaping is the in-process `Shaper` on both ends (each end paces what it sends and delays what it
 receives). With --tc-shaped the bandwidth comes from `tc tbf` on the path to --shaped-host instead
@@ -161,6 +163,18 @@ def shaper(cfg: RunConfig) -> Shaper:
 # --- stage 1: the child process ----------------------------------------------------------------------
 
 
+def round_order(step: int, n: int) -> list[int]:
+    """The variants' order in round `step`: as listed in even rounds, reversed in odd ones, so no variant
+    always runs right after another (a load that builds up or fades within a round favours neither)."""
+    return list(range(n)) if step % 2 == 0 else list(range(n - 1, -1, -1))
+
+
+def spread(xs: list[float]) -> dict[str, float]:
+    """The rounds' spread of a ratio: min, max and the interquartile range (median in `tax`)."""
+    q = statistics.quantiles(xs, n=4, method="inclusive") if len(xs) > 1 else [xs[0]] * 3
+    return {"min": round(min(xs), 4), "max": round(max(xs), 4), "iqr": round(q[2] - q[0], 4)}
+
+
 def serve_stage1(listen_host: str, accept_timeout_s: float) -> None:
     """Serve one session after another. A session is `count` connections, one per variant; the first frame
     of each (raw, before shaping) is {"cfg": RunConfig, "index": i, "count": n}. Step r of every variant in
@@ -190,8 +204,8 @@ def serve_stage1(listen_host: str, accept_timeout_s: float) -> None:
         nodes = [build_node(cfg, 1, link) for cfg, link in zip(cfgs, links, strict=True)]
         stats: list[list[StepStats]] = [[] for _ in nodes]
         for step in range(cfgs[0].steps):
-            for node, cfg, st in zip(nodes, cfgs, stats, strict=True):
-                st.append(train_step(node, step, None, cfg.M))
+            for i in round_order(step, len(nodes)):  # as stage 0 steps them
+                stats[i].append(train_step(nodes[i], step, None, cfgs[i].M))
         for link, st in zip(links, stats, strict=True):
             link.flush()
             result = {
@@ -282,7 +296,8 @@ def run_session(
         step_s: list[list[float]] = [[] for _ in cfgs]
         stats: list[list[StepStats]] = [[] for _ in cfgs]
         for step in range(steps):
-            for i, (node, cfg) in enumerate(zip(nodes, cfgs, strict=True)):
+            for i in round_order(step, len(cfgs)):
+                node, cfg = nodes[i], cfgs[i]
                 batch = corpus.train_batch(0, 0, step, cfg.M * cfg.b, L)  # (M b, L+1): same data for all
                 t = time.perf_counter()
                 stats[i].append(train_step(node, step, batch, cfg.M))
@@ -482,6 +497,7 @@ def main(argv: list[str] | None = None) -> int:
         "payload_fraction_bwd": round(comp["bwd_wire_bytes_per_mb"] / dense["bwd_wire_bytes_per_mb"], 5),
         "tax": round(statistics.median(round_taxes(comp_v.name)), 4),
         "tax_per_round": round_taxes(comp_v.name),
+        "tax_spread": spread(round_taxes(comp_v.name)),
         "tax_all_steps": round(1 - comp["tokens_per_s"] / base["tokens_per_s"], 4),
         "shaped_dense_tax": round(statistics.median(round_taxes(dense_v.name)), 4),
         "tokens_per_s": {r["name"]: round(r["tokens_per_s"], 1) for r in rows},

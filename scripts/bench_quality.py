@@ -41,7 +41,7 @@ replica r draws batch (data_seed, r, step) in every arm, so every method sees th
 - moe / moe_adamw: the model with MoE blocks of the same active parameters (issue 24): --moe-experts
                 experts of width d_ff / 2, top-2, every block; its expert bias moved after every step by
                 the agreed routing counts of every replica, through the store's per-step barrier
-                (node/moe.py, node/sync/route_exchange.py), under SparseLoCo (moe) or data-parallel
+                (node/sync/expert_bias.py, node/sync/route_exchange.py), under SparseLoCo (moe) or data-parallel
                 AdamW (moe_adamw: one model, the bias moved by the global batch's counts). `sparseloco`
                 and `adamw` are the dense models at the same active parameters and tokens.
 - stream_tau1/2: SparseLoCo with P strided fragments captured at c_f = (f+1) floor(H/P) and applied
@@ -87,8 +87,8 @@ from node.data.corpus import Corpus
 from node.device import resolve_precision
 from node.inner_step import InnerOptimizer, inner_step, make_optimizer, prepare_stage
 from node.model import Stage, build_full_model, lm_loss, moe_blocks
-from node.moe import Balancer, bias_digest, load_ratio, move_bias, take_load
 from node.sync.aggregation import norm
+from node.sync.expert_bias import Balancer, bias_digest, load_ratio, move_bias, take_load
 from node.sync.outer_sync import Contribution, Encoding, FragmentCodec, FragmentId, OuterSync
 from node.sync.pair_mix import TAG_LEN
 from node.sync.pair_sync import PAIR_OUTCOMES, pair_settings
@@ -629,7 +629,7 @@ def moe_balancers(
     spec: RunSpec, models: list[Stage], store: ObjectStore, ids: list[Identity]
 ) -> list[Balancer]:
     """An MoE arm's expert bias per replica, each moved by the agreed counts of the step's barrier through
-    the store, as a stage worker's (node/moe.py); [] for a dense model."""
+    the store, as a stage worker's (node/sync/expert_bias.py); [] for a dense model."""
     moe = spec.model.moe
     if not moe.experts:
         return []

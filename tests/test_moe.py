@@ -1,5 +1,5 @@
 """Mixture-of-experts blocks and their run-wide load balancing (issue 24): the router and experts
-(node/model.py), the bias update (node/moe.py) and the per-step barrier of routing counts
+(node/model.py), the bias update (node/sync/expert_bias.py) and the per-step barrier of routing counts
 (node/sync/route_exchange.py) against a real S3 server (moto), replicas in one process."""
 
 from __future__ import annotations
@@ -13,7 +13,7 @@ import torch
 
 from node.inner_step import is_muon_matrix, make_optimizer
 from node.model import build_full_model, lm_loss, moe_blocks
-from node.moe import Balancer, bias_delta, bias_digest, take_load
+from node.sync.expert_bias import Balancer, bias_delta, bias_digest, take_load
 from node.sync.round_rule import decide_step
 from node.sync.route_exchange import RouteExchange
 from protocol import keys

@@ -17,8 +17,8 @@ import torch
 
 from coordinator.export import consensus_states, export_llama
 from node.model import build_stage
-from node.moe import bias_digest
 from node.subspace_model import constrain_stage, off_subspace
+from node.sync.expert_bias import bias_digest
 from node.sync.outer_sync import FragmentId
 from node.sync.sparseloco_sync import SparseLoCoCodec
 from node.worker import weights_digest
@@ -957,8 +957,7 @@ def test_a_replica_killed_right_after_its_upload_is_consumed_then_missed(
     upload) and trains to the end; replica 1's second stage reports `failed` with the broken link; the
     coordinator, with no spare node, lets replica 1 drop out and tells replica 0, whose later rounds then
     stop waiting out the deadline for it."""
-    spare = swarm.add_node(5)  # earlier tests killed two nodes: four alive again
-    swarm.health.append(spare.wait_for(r"health=(\S+)/health", 120).group(1))
+    swarm.respawn_node()  # earlier tests killed two nodes: four alive again (a fresh key and index)
     toml = tmp_path / "run.toml"
     toml.write_text(RUN_TOML.format(run_id="swarm-k", steps=40, H=5, timeout=6))
     swarm.launch(toml)

@@ -665,7 +665,7 @@ def _route(
     R: int,
     steps: list[_ReplicaStep],
 ) -> tuple[list[_ReplicaStep], RouteFigures]:
-    """An MoE run's steps: every inner step ends at a routing barrier across replicas (node/moe.py), so
+    """An MoE run's steps: every inner step ends at a routing barrier across replicas (node/sync/expert_bias.py), so
     no replica gets more than D - 1 steps ahead and all keep the slowest one's pace; the barrier's own
     store time (`route_barrier_s`) adds what D - 1 steps do not hide, and the SparseLoCo sync wait is
     counted against the step so held (a longer step, a longer overlap window)::

@@ -1,5 +1,5 @@
 """The routing statistics' per-step barrier (issue 24): every replica of an MoE run agrees, for every inner
-step, on the set of replicas' routing counts that moves the expert bias (node/moe.py), so the balancing
+step, on the set of replicas' routing counts that moves the expert bias (node/sync/expert_bias.py), so the balancing
 state is one on every replica by construction.
 
     publish(step, counts)  -> our signed RouteCounts at keys.route_key(run, group, step, replica), once

@@ -12,6 +12,7 @@ from dataclasses import dataclass, field
 from coordinator.lease import HeldLease
 from coordinator.placement import CostModel, Placement
 from protocol.messages import Assignment, NodeAdvert, RunRecord
+from protocol.net.store import StoreUnavailable
 
 ACTIVE = ("pending", "running", "stopping")
 """The states of a run that its coordinator still leads (holds the lease of, places, watches)."""
@@ -38,6 +39,11 @@ class ManagedRun:
     dropped: set[int] = field(default_factory=set)
     """Replicas that dropped out (lost a node, none free to rebuild): no longer in the survivors'
     stage_peers, so their rounds stop waiting out the deadline for them."""
+    rejoin_at: dict[int, float] = field(default_factory=dict)
+    """Dropped replica -> when (monotonic) the coordinator next tries to place it again (`RunWatch`)."""
+    rejoins: dict[int, int] = field(default_factory=dict)
+    """Replica -> its rejoins since it last trained a whole backoff through: each doubles the next wait."""
+    rejoined_at: dict[int, float] = field(default_factory=dict)
     rebuild_note: str = ""
     """Why the last rebuild could not be made: logged once per change, not on every tick."""
 
@@ -76,6 +82,9 @@ class RunFaults:
             if len(self.seen) >= self.MAX_REMEMBERED:
                 self.seen.clear()
             self.seen.add(cause)
+            if isinstance(e, StoreUnavailable):  # a store outage: no bug to trace, the next tick retries
+                self.logger.warning("run %s: %s failed, retrying: %s", run_id, doing, cause[2])
+                return
             self.logger.error(
                 "run %s: %s failed (the other runs go on; logged once per cause): %s",
                 run_id,

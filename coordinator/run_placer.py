@@ -175,14 +175,22 @@ class RunPlacer:
         log.info("run %s: link k per boundary %s, %s", spec.run_id, k, why)
 
     def rebuild(
-        self, run: ManagedRun, adverts: dict[str, NodeAdvert], gone: set[str], broken: set[int]
+        self,
+        run: ManagedRun,
+        adverts: dict[str, NodeAdvert],
+        gone: set[str],
+        broken: set[int],
+        reusable: set[str] = frozenset(),  # type: ignore[assignment]
     ) -> bool:
         """Re-place the `broken` replicas' holes (the nodes `gone`, or failed) with free nodes; they resume
-        from the latest consensus checkpoint, the others only learn the new epoch. False (the reason logged
+        from the latest consensus checkpoint, the others only learn the new epoch. `reusable`: nodes of the
+        holes that may fill them again (a dropped replica's own, healthy again). False (the reason logged
         once per change) when no free nodes fit."""
         pl = run.placement
         assert pl is not None
-        free = free_nodes(adverts, self.runs.values())
+        free = free_nodes(adverts, self.runs.values()) + [
+            adverts[p] for p in sorted(reusable) if p in adverts
+        ]
         alive = {p for p in pl.slots.values() if p not in gone}
         try:
             new_pl, holes = repair_run(run.record.spec, pl, alive, free, adverts)

@@ -17,7 +17,13 @@ from protocol.net.dht_client import dht_time
 log = logging.getLogger("coordinator.service")  # the coordinator's lines, under the one name they had
 MAX_REBUILDS_AFTER_FAILURE = 1
 """A replica whose node reports failed is restarted this many times; then it drops out (a bad data path
-fails the same way every time)."""
+fails the same way every time) until its next rejoin."""
+REJOIN_AFTER_GRACES = 6
+"""A dropped replica is placed again (its own nodes if healthy, else free ones) this many churn graces after
+it dropped out, the wait doubling with each rejoin that drops out again within twice its wait (at most
+MAX_REJOIN_WAIT_S): a transient fault (a neighbour killed, a link cut, no spare node yet) costs the
+replica a wait, not the rest of the run; a fault a rebuild does not fix costs one try per wait."""
+MAX_REJOIN_WAIT_S = 1800.0
 
 
 def note_failure(run: ManagedRun, peer: str, reason: str) -> None:
@@ -125,11 +131,48 @@ class RunWatch:
                 run.missing_since[p] = -1.0
         lost = {p for p, t in run.missing_since.items() if t == -1.0}
         self._drop_out(run, adverts, dropped)
+        if not done and self._rejoin(run, adverts, dropped, now):
+            return
         self.publisher.set_reason(run, dropped_summary(run))
         if done and done + len(lost & set(pl.slots.values())) >= len(pl.slots):
             self.publisher.set_state(run, "done", reason=dropped_summary(run))
         elif not done and {r for (r, s), p in pl.slots.items() if p in lost} >= {r for r, s in pl.slots}:
             self.publisher.set_state(run, "failed", reason=failure_summary(run))
+
+    def _rejoin(self, run: ManagedRun, adverts: dict[str, NodeAdvert], dropped: set[int], now: float) -> bool:
+        """Place the dropped replicas whose wait is over again (`REJOIN_AFTER_GRACES`); True if it did."""
+        pl = run.placement
+        assert pl is not None
+        for r in set(run.rejoin_at) - dropped:  # placed again by another rebuild meanwhile
+            del run.rejoin_at[r]
+        for r in dropped - set(run.rejoin_at):
+            if now - run.rejoined_at.get(r, -1e18) > 2 * self._rejoin_wait(run, r):
+                run.rejoins[r] = 0  # it trained through a whole wait since its last rejoin: start over
+            run.rejoin_at[r] = now + self._rejoin_wait(run, r)
+        due = {r for r in dropped if now >= run.rejoin_at[r]}
+        if not due or run.record.state != "running":
+            return False
+        slots = {p for (r, _), p in pl.slots.items() if r in due}
+        fresh = dht_time() - 2 * self.churn_grace_s
+        healthy = {
+            p
+            for p in slots
+            if (a := adverts.get(p)) is not None
+            and a.timestamp >= fresh
+            and a.state in ("idle", "failed", "done")
+        }
+        if not self.placer.rebuild(run, adverts, slots, due, reusable=healthy):
+            for r in due:  # no nodes fit yet: look again after one grace
+                run.rejoin_at[r] = now + self.churn_grace_s
+            return False
+        for r in due:
+            run.rejoins[r] = run.rejoins.get(r, 0) + 1
+            run.rejoined_at[r] = now
+            del run.rejoin_at[r]
+        return True
+
+    def _rejoin_wait(self, run: ManagedRun, r: int) -> float:
+        return min(REJOIN_AFTER_GRACES * self.churn_grace_s * 2 ** run.rejoins.get(r, 0), MAX_REJOIN_WAIT_S)
 
     def _drop_out(self, run: ManagedRun, adverts: dict[str, NodeAdvert], dropped: set[int]) -> None:
         """Tell the surviving replicas' nodes that `dropped` replicas are gone (a new epoch whose

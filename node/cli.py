@@ -286,7 +286,7 @@ def cmd_join(args: argparse.Namespace) -> int:
         raise UsageError(str(e)) from e
     _install_signals(daemon.notice.give, extra_s=cfg.preempt_notice_s)
     print(
-        f"crucible-node ready: peer_id={daemon.peer_id} pipeline={cfg.announce_host or cfg.host}:{daemon.acceptor.port} "
+        f"crucible-node ready: peer_id={daemon.peer_id} pipeline={cfg.announce_host or cfg.host}:{cfg.announce_port or daemon.acceptor.port} "
         f"health=http://{cfg.host}:{daemon.health.port}/health device={daemon.device} "
         f"tflops={daemon.tflops:.3f} ref_block_ms={daemon.ref_block_s * 1e3:.1f} store_mbps={daemon.store_mbps:.0f}",
         flush=True,

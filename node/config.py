@@ -68,6 +68,13 @@ class NodeConfig:
         example="203.0.113.20",
         shown="the --host address",
     )
+    announce_port: int = setting(
+        0,
+        "pipeline TCP port other nodes dial, where a NAT, a container or a relay maps it to --port",
+        example=31400,
+        shown="0: the port the node listens on",
+        check=tcp_port,
+    )
     port: int = setting(
         0, _fixed_port("pipeline TCP port"), example=31400, shown="0: any free port", check=tcp_port
     )

@@ -466,7 +466,7 @@ class NodeDaemon:
             ref_block_s=round(self.ref_block_s, 6),
             price_per_hour=self.cfg.price_per_hour,
             host=self.cfg.announce_host or self.cfg.host,
-            port=self.acceptor.port,
+            port=self.cfg.announce_port or self.acceptor.port,
             health_port=self.health.port,
             store_mbps=round(self.store_mbps, 1),
             coordinator_eligible=self.cfg.coordinator_eligible,
@@ -706,7 +706,7 @@ def node_status(d: NodeDaemon) -> dict:
     return {
         "peer_id": d.peer_id,
         "state": d.metrics.state,
-        "pipeline": f"{d.cfg.announce_host or d.cfg.host}:{d.acceptor.port}",
+        "pipeline": f"{d.cfg.announce_host or d.cfg.host}:{d.cfg.announce_port or d.acceptor.port}",
         "device": describe(d.device),
         "precision": d.metrics.precision or d.default_precision,
         "free_memory_gb": round(free_memory_bytes(d.device) / 1e9, 2),

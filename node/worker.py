@@ -33,6 +33,7 @@ from node.pipeline.hello_proof import find_sealed
 from node.pipeline.schedule import PipelineStage, StepStats
 from node.pipeline.transport import Link, Shaper, connect
 from node.subspace_model import boundary_codecs, confinement, constrain_stage, project_weights_
+from node.sync.exchange import applied_history
 from node.sync.expert_bias import Balancer, Signers, stage_balancer
 from node.sync.outer_sync import LocalState, OuterSync
 from node.sync.pair_sync import PAIR_OUTCOMES, pair_settings
@@ -120,6 +121,9 @@ class WorkerMetrics:
     anchor_history: list[tuple[int, str]] = field(default_factory=list)
     """(round, anchor sha256) of the last ANCHOR_HISTORY checkpointed rounds, to compare replicas at equal
     rounds (a rebuilt replica replays rounds the others passed)."""
+    applied_history: list[tuple[int, int]] = field(default_factory=list)
+    """(round, tokens the consensus applied in it: its agreed contributions' claims, summed) of the last
+    rounds this stage applied; equal on every replica (a rebuilt one replays the same sets)."""
     device: str = ""
     """Where this assignment trains (e.g. "cuda:0 (NVIDIA H200, 139.8 GiB)" or "cpu")."""
     precision: str = ""
@@ -590,6 +594,7 @@ class StageWorker:
             sync.stats.late_expired,
         )
         m.round_tokens = {str(r): t for r, t in sorted(sync.stats.last_tokens.items())}
+        m.applied_history = applied_history(sync.stats)
         if self.balancer is not None:
             for name, value in self.balancer.figures().items():
                 setattr(m, name, value)

@@ -219,9 +219,9 @@ def set_keys(run_toml: str, section: str, **values: object) -> str:
     return out
 
 
-def _get_status(url: str) -> dict | None:
+def _get_status(url: str, timeout_s: float = 5.0) -> dict | None:
     try:
-        with urllib.request.urlopen(url, timeout=5) as r:
+        with urllib.request.urlopen(url, timeout=timeout_s) as r:
             return json.load(r)
     except (OSError, ValueError):
         return None
@@ -328,13 +328,14 @@ class Swarm:
             self.health.append(node.wait_for(r"health=(\S+)/health", ready_timeout_s).group(1))
         self.write_pids()
 
-    def add_node(self, i: int, *, store_url: str | None = None) -> Child:
-        """Start node i; `store_url` gives it its own way to the store (tests put a fault proxy there)."""
+    def add_node(self, i: int, *, store_url: str | None = None, name: str | None = None) -> Child:
+        """Start node i (its key file node{i}.key); `store_url` gives it its own way to the store (tests put
+        a fault proxy there); `name`: its log's name, for a node i started again (default node{i})."""
         flags = self.swarm_flags()
         if store_url is not None:
             flags[flags.index("--store-endpoint") + 1] = store_url
         node = self._spawn(
-            self._name(f"node{i}"),
+            self._name(name or f"node{i}"),
             [
                 "-m",
                 "node.cli",

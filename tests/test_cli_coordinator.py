@@ -606,3 +606,25 @@ def test_a_replica_that_dropped_out_is_shown_as_such(
     assert ys[:4] == ["0", "1,000", "2,000", "3,000"], ys
     xs, ys = plot_ticks(dom, "plot-bytes")
     assert ys[-1] == "150" and len(ys) >= 3, ys
+
+    # issue 26: the lost node comes back (its host restarted: same key, idle). Nothing of replica 1 is
+    # gone now and its failures were at an old epoch, so no rebuild is due; it stays out until its wait
+    # is over (REJOIN_AFTER_GRACES churn graces; set here as if it were), then it is placed again on its
+    # own nodes (the placement picks their stages), healthy, and resumes from the consensus checkpoint
+    from coordinator.run_watch import REJOIN_AFTER_GRACES
+
+    assert run.rejoin_at[1] - time.monotonic() > (REJOIN_AFTER_GRACES - 1) * coord.watch.churn_grace_s
+    back = NodeAdvert(
+        peer_id=nodes[(1, 1)].peer_id, version="test", device="cpu", memory_gb=16.0, tflops=1.0,
+        price_per_hour=0.5, host="127.0.0.1", port=4100, health_port=5100, timestamp=dht_time(),
+    )  # fmt: skip
+    assert dht.publish(keys.NODES_KEY, back, 60, signer=nodes[(1, 1)])
+    epoch = run.epoch
+    coord.tick()
+    assert run.dropped == {1} and run.epoch == epoch  # not before its wait is over
+    run.rejoin_at[1] = 0.0
+    coord.tick()
+    assert not run.dropped_out() and run.epoch == epoch + 1, (run.dropped, run.epoch)
+    assert run.placement is not None
+    assert {run.placement.slots[(1, s)] for s in (0, 1)} == {nodes[(1, s)].peer_id for s in (0, 1)}
+    assert run.rejoins == {1: 1} and 1 not in run.rejoin_at

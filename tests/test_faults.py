@@ -1,7 +1,7 @@
 """Store faults met by real node processes (issue 10, acceptance 4).
 
 A swarm of two one-stage replicas; node 1 reaches the embedded S3 server only through a fault-injecting HTTP
-proxy (tests/helpers/fault_proxy.py, real sockets). For a while every fragment request of node 1 is answered
+proxy (scripts/fault_proxy.py, real sockets). For a while every fragment request of node 1 is answered
 503 SlowDown, held unanswered, or cut off half way, in turn. The rounds must complete (or skip cleanly), the
 two replicas must end with identical weights (nothing half-applied), and node 1 must end healthy.
 """
@@ -17,8 +17,8 @@ from pathlib import Path
 
 import pytest
 
+from scripts.fault_proxy import FaultProxy
 from scripts.local_swarm import Swarm
-from tests.helpers.fault_proxy import FaultProxy
 from tests.test_swarm import RUN_TOML, run_metrics, wait_until
 
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(600)]

@@ -25,7 +25,7 @@ from node.sync.exchange import FragmentId
 from node.sync.outer_sync import OuterSync
 from node.sync.sparseloco_sync import SparseLoCoCodec
 from protocol.net.store import ObjectStore, StoreConfig
-from tests.helpers.fault_proxy import FaultProxy
+from scripts.fault_proxy import FaultProxy
 from tests.test_sparseloco_sync import (
     CFG,
     IDS,

@@ -28,7 +28,7 @@ from protocol.identity import Identity
 from protocol.net.store import ObjectStore, StoreConfig
 from protocol.runspec import RunSpec, SyncSpec
 from protocol.sync_settings import AggregationSettings, Schedule
-from tests.helpers.fault_proxy import FaultProxy
+from scripts.fault_proxy import FaultProxy
 from tests.helpers.fragment_faults import KINDS, corrupt, valid_blob
 
 pytestmark = pytest.mark.timeout(60)

@@ -69,3 +69,34 @@ def test_a_store_on_this_host_takes_a_placeholder(no_aws_env: Path) -> None:
     """The embedded store accepts any key: the local swarm needs no AWS setup."""
     store = ObjectStore(StoreConfig(endpoint_url="http://127.0.0.1:9000"))
     assert store.credential_source == "loopback placeholder" and _access_key(store) == "crucible"
+
+
+def test_an_overloaded_store_is_told_apart_from_a_refused_request(moto_store: str) -> None:
+    """Issue 26: through boto3's retries, a store that answers 503 SlowDown to everything raises
+    StoreUnavailable (a passing outage: callers retry and log no traceback); a request the store refuses
+    (read-only keys writing) raises a plain StoreError."""
+    from protocol.net.store import StoreUnavailable
+    from scripts.fault_proxy import FaultProxy
+    from scripts.store_front import READ_ONLY_KEY
+
+    proxy = FaultProxy(moto_store)
+    try:
+        proxy.rule = lambda method, path: "503"
+        store = ObjectStore(StoreConfig(endpoint_url=proxy.url, bucket="crucible"))
+        with pytest.raises(StoreUnavailable, match="overloaded or unreachable"):
+            store.get("any/key")
+        assert proxy.actions["503"] >= 3  # boto3 retried (standard mode: 3 attempts a call)
+        proxy.rule = lambda method, path: "pass"
+        ro = ObjectStore(
+            StoreConfig(
+                endpoint_url=proxy.url,
+                bucket="crucible",
+                access_key=READ_ONLY_KEY[0],
+                secret_key=READ_ONLY_KEY[1],
+            )
+        )
+        with pytest.raises(StoreError) as refused:
+            ro.put("any/key", b"x")
+        assert not isinstance(refused.value, StoreUnavailable), refused.value
+    finally:
+        proxy.close()

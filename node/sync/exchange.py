@@ -141,11 +141,31 @@ class SyncStats:
     late_expired: int = 0
     """Our fragments that no round's set took within `sync.max_late_rounds`: back to error feedback."""
     last_contributors: list[int] = field(default_factory=list)
+    applied_tokens: dict[int, list[int]] = field(default_factory=dict)
+    """Round -> [tokens the agreed contributions of its fragments claimed, summed, fragments applied] of
+    the last APPLIED_ROUNDS rounds: what the consensus took in (`applied_history`)."""
     last_tokens: dict[int, int] = field(default_factory=dict)
     """Replica -> the tokens of its contribution to the last round applied."""
     last_weights: dict[int, float] = field(default_factory=dict)
     """Replica -> its `Contribution.weight` in the last round applied (what the aggregate weighs it by
     under `sync.weighting = "tokens"`; ignored under "equal")."""
+
+
+APPLIED_ROUNDS = 64
+
+
+def record_applied(stats: SyncStats, rnd: int, tokens: int) -> None:
+    """One fragment of round `rnd` applied, its agreed contributions claiming `tokens` in all."""
+    got = stats.applied_tokens.setdefault(rnd, [0, 0])
+    got[0], got[1] = got[0] + tokens, got[1] + 1
+    for old in sorted(stats.applied_tokens)[:-APPLIED_ROUNDS]:
+        del stats.applied_tokens[old]
+
+
+def applied_history(stats: SyncStats) -> list[tuple[int, int]]:
+    """(round, tokens applied): per round the mean over its fragments of what their agreed contributions
+    claimed (a replica missing from one fragment counts for the others); equal on every replica."""
+    return [(r, round(t / n)) for r, (t, n) in sorted(stats.applied_tokens.items())]
 
 
 @dataclass

@@ -39,6 +39,7 @@ from node.sync.exchange import (
     FragmentId,
     RoundAgreementError,
     SyncStats,
+    record_applied,
 )
 from node.sync.pair_mix import digest
 from node.sync.pair_sync import PairMixer, PairSettings
@@ -428,6 +429,7 @@ class OuterSync:
             self.stats.rounds_applied += 1
             self.stats.last_contributors = sorted(ex.contribs)
             self.stats.last_tokens, self.stats.last_weights = dict(ex.tokens), dict(ex.weights)
+            record_applied(self.stats, p.fid.round, sum(ex.tokens.values()))
         if p.partner is not None:
             self._apply_pair(p, ex)
             return

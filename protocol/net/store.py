@@ -33,6 +33,31 @@ class StoreError(RuntimeError):
     """The object store could not be reached or refused a request."""
 
 
+class StoreUnavailable(StoreError):
+    """The store was overloaded or unreachable (5xx, SlowDown, no answer) through boto3's retries: a
+    passing condition, which the caller's next attempt retries (nothing about the request was wrong)."""
+
+
+TRANSIENT_CODES = frozenset(
+    {"SlowDown", "ServiceUnavailable", "InternalError", "RequestTimeout", "503", "500"}
+)
+
+
+def is_transient(e: Exception) -> bool:
+    """Whether boto3's error `e` says the store was unavailable rather than that the request was wrong."""
+    if isinstance(e, botocore.exceptions.ClientError):
+        err = e.response.get("Error", {})
+        status = e.response.get("ResponseMetadata", {}).get("HTTPStatusCode", 0)
+        return err.get("Code") in TRANSIENT_CODES or status >= 500
+    return isinstance(
+        e,
+        botocore.exceptions.EndpointConnectionError
+        | botocore.exceptions.ConnectionClosedError
+        | botocore.exceptions.ReadTimeoutError
+        | botocore.exceptions.ConnectTimeoutError,
+    )
+
+
 class ObjectTooLarge(StoreError):
     """An object is larger than the caller's bound for it; it was not downloaded."""
 
@@ -235,6 +260,11 @@ class ObjectStore:
             self.bytes_down += down
 
     def _fail(self, what: str, e: Exception) -> StoreError:
+        if is_transient(e):
+            return StoreUnavailable(
+                f"object store {self.cfg.endpoint_url} bucket {self.bucket!r}: {what} failed: {e}. "
+                "The store is overloaded or unreachable for now; the next attempt retries"
+            )
         return StoreError(
             f"object store {self.cfg.endpoint_url} bucket {self.bucket!r}: {what} failed: {e}. "
             "Check the endpoint URL, credentials and that the bucket exists"

@@ -40,14 +40,11 @@ class FaultProxy:
         self._srv.close()
 
     def _accept(self) -> None:
-        while not self._closed.is_set():
-            try:
-                conn, _ = self._srv.accept()
-            except TimeoutError:
-                continue
-            except OSError:
-                return
-            threading.Thread(target=self._serve, args=(conn,), daemon=True).start()
+        accept_loop(
+            self._srv,
+            self._closed,
+            lambda c: threading.Thread(target=self._serve, args=(c,), daemon=True).start(),
+        )
 
     def _serve(self, conn: socket.socket) -> None:
         conn.settimeout(10)
@@ -62,7 +59,7 @@ class FaultProxy:
             lines = head.split(b"\r\n")
             method, path = lines[0].decode().split(" ")[:2]
             action = self.rule(method, path)
-            action = {True: "503", False: "pass"}.get(action, action)  # type: ignore[call-overload]
+            action = "503" if action is True else "pass" if action is False else action
             if action != "pass":
                 self.failed.append((method, path))
                 self.actions[action] = self.actions.get(action, 0) + 1
@@ -89,6 +86,21 @@ class FaultProxy:
                     conn.sendall(answer[: len(answer) // 2])
                 else:
                     _copy(up, conn)
+
+
+def accept_loop(
+    srv: socket.socket, closed: threading.Event, on_connection: Callable[[socket.socket], None]
+) -> None:
+    """Hand each connection `srv` accepts to `on_connection` until `closed` is set or `srv` is closed
+    (`srv` has a short timeout, so that `closed` is looked at)."""
+    while not closed.is_set():
+        try:
+            conn, _ = srv.accept()
+        except TimeoutError:
+            continue
+        except OSError:
+            return
+        on_connection(conn)
 
 
 def _copy(src: socket.socket, dst: socket.socket) -> None:

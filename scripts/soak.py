@@ -518,7 +518,10 @@ def _main(argv: list[str] | None) -> int:
         base = json.loads(args.baseline.read_text().strip().splitlines()[-1]).get("baseline_arm")
     if args.baseline_minutes > 0:
         base = run_arm("baseline", args, args.baseline_minutes, [])
-    faults = schedule(args.seed, 60 * args.minutes, args.faults, args.kinds, args.warmup_s, cooldown_s=60.0)
+    window = 60 * args.minutes
+    faults = schedule(
+        args.seed, window, args.faults, args.kinds, args.warmup_s, cooldown_s=min(60.0, window / 5)
+    )
     soak = run_arm("soak", args, args.minutes, faults)
     line = summary(args, soak, base)
     (args.out / "soak.json").write_text(

@@ -375,7 +375,12 @@ class StoreFront:
             self._loop.close()
 
     async def _handle(self, request: web.Request) -> web.StreamResponse:
-        body = await request.read()
+        try:
+            body = await request.read()
+        except (
+            ConnectionResetError
+        ):  # the client went away mid-request (its process killed): nothing to answer
+            return web.Response(status=400)
         headers: dict[str, list[str]] = {}
         for name, value in request.headers.items():
             headers.setdefault(name.lower(), []).append(value)

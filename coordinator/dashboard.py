@@ -211,7 +211,7 @@ function valueFormat(ticks, step) {
   return v => Math.abs(v) < step * 1e-9 ? "0" : (v / scale).toLocaleString("en-US", {minimumFractionDigits: d, maximumFractionDigits: d}) + unit;
 }
 
-function plot(id, series) {
+function plot(id, series, events, t0) {
   const svg = document.getElementById(id), W = 420, H = 180, L = 48, B = 20;
   while (svg.firstChild) svg.removeChild(svg.firstChild);
   const pts = series.flatMap(s => s.points);
@@ -220,7 +220,8 @@ function plot(id, series) {
   legend.textContent = "";
   if (pts.length === 0) { const t = document.createElementNS(NS, "text"); t.setAttribute("x", 150); t.setAttribute("y", 90); t.textContent = "no data yet"; svg.appendChild(t); return; }
   const xs = pts.map(p => p[0]), ys = pts.map(p => p[1]);
-  let x0 = Math.min(0, ...xs), x1 = Math.max(...xs), y0 = Math.min(0, ...ys), y1 = Math.max(...ys);
+  const ex = (events || []).map(e => e.t - t0).filter(x => x >= 0);  // marks after the last sample still show
+  let x0 = Math.min(0, ...xs), x1 = Math.max(...xs, ...ex), y0 = Math.min(0, ...ys), y1 = Math.max(...ys);
   if (x1 === x0) x1 = x0 + 1; if (y1 === y0) y1 = y0 + (y0 ? Math.abs(y0) : 1);
   const ystep = niceStep(y1 - y0, 4);
   y0 = Math.floor(y0 / ystep + 1e-9) * ystep; y1 = Math.ceil(y1 / ystep - 1e-9) * ystep;  // round bounds
@@ -248,6 +249,22 @@ function plot(id, series) {
     line.setAttribute("class", "series"); line.dataset.series = s.name;
     svg.appendChild(line);
     const k = el("span", `\\u25A0 ${s.name}`); k.style.color = s.color; legend.appendChild(k);
+  }
+  for (const e of events || []) {  // faults and recoveries on the time axis (the coordinator's view of them)
+    const x = e.t - t0;
+    if (x < x0) continue;
+    const mark = document.createElementNS(NS, "path");
+    mark.setAttribute("d", `M${sx(x).toFixed(1)},4 L${sx(x).toFixed(1)},${H - B}`);
+    mark.setAttribute("stroke", e.kind === "fault" ? "#c62828" : "#2e7d32"); mark.setAttribute("stroke-width", "1");
+    if (e.kind === "fault") mark.setAttribute("stroke-dasharray", "3,2");
+    mark.setAttribute("class", `event ${e.kind}`);
+    const tip = document.createElementNS(NS, "title"); tip.textContent = `${e.kind}: ${e.what}`; mark.appendChild(tip);
+    svg.appendChild(mark);
+  }
+  if ((events || []).length) {
+    for (const [kind, color] of [["fault", "#c62828"], ["recovery", "#2e7d32"]]) {
+      const k = el("span", `| ${kind}`); k.style.color = color; legend.appendChild(k);
+    }
   }
   legend.appendChild(el("span", "x: elapsed time", "muted"));
 }
@@ -303,12 +320,12 @@ function render() {
     }
     grid.appendChild(tr);
   });
-  const h = state.history || [];
-  plot("plot-loss", [series(h, "train bits/token", "#c62828", p => p.loss === null ? null : p.loss / LN2), series(h, "validation bits/byte", "#1565c0", p => p.val_bpb)]);
-  plot("plot-tps", [series(h, "measured", "#2e7d32", p => p.tokens_per_s)]);
-  plot("plot-mfu", [series(h, "effective MFU", "#6a1b9a", p => 100 * p.effective_mfu), series(h, "tax", "#ef6c00", p => 100 * p.tax)]);
-  plot("plot-cost", [series(h, "$/Mtok", "#37474f", p => p.usd_per_mtok)]);
-  plot("plot-bytes", [series(h, "pipeline", "#00838f", p => p.bytes_pipe / 1e6), series(h, "store", "#8d6e63", p => p.bytes_store / 1e6)]);
+  const h = state.history || [], ev = r ? r.events : [], t0 = h.length ? h[0].t : 0;
+  plot("plot-loss", [series(h, "train bits/token", "#c62828", p => p.loss === null ? null : p.loss / LN2), series(h, "validation bits/byte", "#1565c0", p => p.val_bpb)], ev, t0);
+  plot("plot-tps", [series(h, "measured", "#2e7d32", p => p.tokens_per_s)], ev, t0);
+  plot("plot-mfu", [series(h, "effective MFU", "#6a1b9a", p => 100 * p.effective_mfu), series(h, "tax", "#ef6c00", p => 100 * p.tax)], ev, t0);
+  plot("plot-cost", [series(h, "$/Mtok", "#37474f", p => p.usd_per_mtok)], ev, t0);
+  plot("plot-bytes", [series(h, "pipeline", "#00838f", p => p.bytes_pipe / 1e6), series(h, "store", "#8d6e63", p => p.bytes_store / 1e6)], ev, t0);
 }
 
 async function poll() {

@@ -4,6 +4,7 @@ place, those of no run it leads."""
 from __future__ import annotations
 
 import logging
+import time
 from collections import Counter
 from collections.abc import Iterable, Iterator
 from contextlib import contextmanager
@@ -16,6 +17,10 @@ from protocol.net.store import StoreUnavailable
 
 ACTIVE = ("pending", "running", "stopping")
 """The states of a run that its coordinator still leads (holds the lease of, places, watches)."""
+
+
+MAX_EVENTS = 200
+"""Faults and recoveries a run keeps for the dashboard."""
 
 
 @dataclass
@@ -44,8 +49,14 @@ class ManagedRun:
     rejoins: dict[int, int] = field(default_factory=dict)
     """Replica -> its rejoins since it last trained a whole backoff through: each doubles the next wait."""
     rejoined_at: dict[int, float] = field(default_factory=dict)
+    events: list[tuple[float, str, str]] = field(default_factory=list)
+    """(unix time, "fault" | "recovery", what) of the last MAX_EVENTS: a node failed or went, a replica
+    dropped out; a replica rebuilt or placed again. The dashboard marks them on its time axis."""
     rebuild_note: str = ""
     """Why the last rebuild could not be made: logged once per change, not on every tick."""
+
+    def note_event(self, kind: str, what: str) -> None:
+        self.events = [*self.events, (time.time(), kind, what)][-MAX_EVENTS:]
 
     def dropped_out(self) -> set[int]:
         """Replicas out of the run: told to the survivors (`dropped`), or lost with no node to rebuild them

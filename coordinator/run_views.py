@@ -112,6 +112,7 @@ def run_view(
         "prediction": run.prediction if run else None,
         "grid": grid,
         "latest": latest.as_dict() if latest else None,
+        "events": [{"t": t, "kind": k, "what": w} for t, k, w in run.events] if run else [],
     }
 
 

@@ -30,7 +30,15 @@ def note_failure(run: ManagedRun, peer: str, reason: str) -> None:
     """Count a node's failure once per epoch (status and the run's reason quote it)."""
     seen = run.failures.setdefault(peer, [])
     if not seen or seen[-1][0] != run.epoch:
+        again = bool(seen) and seen[-1][1] == reason  # the same failure, counted again at a new epoch
         seen.append((run.epoch, reason))
+        if again:
+            return
+        slot = next(
+            (rs for rs, p in (run.placement.slots.items() if run.placement else ()) if p == peer), None
+        )
+        where = f" (replica {slot[0]}, stage {slot[1]})" if slot else ""
+        run.note_event("fault", f"node {peer[-8:]}{where}: {reason}")
 
 
 def dropped_summary(run: ManagedRun) -> str:
@@ -189,6 +197,7 @@ class RunWatch:
             return
         run.dropped = set(dropped)
         run.epoch += 1
+        run.note_event("fault", f"replica(s) {sorted(dropped)} dropped out")
         log.info(
             "run %s: replica(s) %s dropped out; replicas %s go on without waiting for them (epoch %d)",
             run.record.spec.run_id,

@@ -156,6 +156,10 @@ class Coordinator:
             )
             if rec.state != "pending":  # a takeover: carry on from what the last holder archived
                 self.placer.adopt(run)
+                run.note_event(
+                    "recovery",
+                    f"coordinator {self.identity.peer_id[-8:]} took the run over (term {held.lease.term})",
+                )
 
     def _lead(self, rid: str, run: ManagedRun, adverts: dict[str, NodeAdvert]) -> None:
         """Renew the lease of a run we lead (or let it go), act on a stop request, place or watch it."""

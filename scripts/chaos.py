@@ -47,6 +47,9 @@ KINDS = (
 )
 MAX_JOINS = 3
 """Nodes a soak adds at most (each is one more process on the host's cores)."""
+LINK_SLOW_MBPS = 5.0
+PREEMPT_GIVE_UP_S = 40.0
+"""A preempted node still running this long after its notice is killed (a spot host's grace ends)."""
 RECOVERY_GIVE_UP_S = 300.0
 """A fault whose replicas do not train again this long after it ended counts as not recovered."""
 
@@ -176,15 +179,15 @@ class Injector:
             sw.store_proxy.rule = (lambda m, p: "503") if f.kind == "store_503" else (lambda m, p: "stall")
             f.target, f.replicas = "store", sorted({r for r, _ in placed})
         elif f.kind in ("link_slow", "link_cut"):
-            replicas = sorted({r for r, s in placed if (r, s + 1) in placed})
-            if not replicas:
+            links = sorted((r, s) for r, s in placed if (r, s + 1) in placed)
+            if not links:
                 return False
-            r = self.rng.choice(replicas)
-            ends = [placed[(r, s)]["_node"] for s in (0, 1)]
-            for i in ends:
+            r, s = self.rng.choice(links)
+            ends = [placed[(r, s)]["_node"], placed[(r, s + 1)]["_node"]]
+            for i in ends:  # both ends' relays: whichever end dialed, the link goes through one of them
                 px = sw.link_proxies[i]
-                px.slow(5.0) if f.kind == "link_slow" else px.cut()
-            f.target, f.replicas, f.note = f"r{r} link s0-s1", [r], ",".join(map(str, ends))
+                px.slow(LINK_SLOW_MBPS) if f.kind == "link_slow" else px.cut()
+            f.target, f.replicas, f.note = f"r{r} link s{s}-s{s + 1}", [r], ",".join(map(str, ends))
         elif f.kind == "join":
             node = sw.join()
             f.target, f.ended = node.name, now
@@ -219,9 +222,13 @@ class Injector:
             if f.kind in ("node_kill", "preempt"):
                 i = self._indices(f)[0]
                 proc = self.swarm.current[i]
-                if f.kind == "preempt" and self._restart_at[i] == float("inf") and not proc.alive:
-                    f.note = f"exited {proc.proc.returncode} after {now - f.injected:.1f} s"
-                    self._restart_at[i] = now + f.duration_s
+                if f.kind == "preempt" and self._restart_at[i] == float("inf"):
+                    if proc.alive and now - f.injected > PREEMPT_GIVE_UP_S:
+                        f.note = f"still running {PREEMPT_GIVE_UP_S:.0f} s after its notice: killed; "
+                        proc.kill()
+                    if not proc.alive:
+                        f.note += f"exited {proc.proc.returncode} after {now - f.injected:.1f} s"
+                        self._restart_at[i] = now + f.duration_s
                 if now >= self._restart_at[i]:
                     self.swarm.restart_node(i)
                     f.ended = now

@@ -29,6 +29,7 @@ from __future__ import annotations
 import argparse
 import json
 import re
+import signal
 import socket
 import sys
 import time
@@ -47,6 +48,7 @@ from scripts.local_swarm import (
     NODE_PRICE_PER_HOUR,
     Swarm,
     _get_status,
+    _raise_interrupt,
     preflight,
 )
 from scripts.local_swarm import (
@@ -244,8 +246,9 @@ class Ledger:
     """What the consensus took in, round by round, and what the nodes trained and cost."""
 
     def __init__(self) -> None:
-        self.applied: dict[int, int] = {}
-        """Round -> tokens its agreed contributions claimed."""
+        self.by_stage: dict[tuple[int, int], int] = {}
+        """(stage, round) -> tokens the stage's agreed set claimed (equal on every replica's stage; stages
+        may differ: a replica's fragment can make one stage's set and miss the other's)."""
         self.seen_at: dict[int, float] = {}
         self.trained = CumulativeCounters()
         self.val: dict[int, list[float]] = {}
@@ -263,11 +266,13 @@ class Ledger:
             if m["stage"] == 0:
                 self.trained.observe(st["peer_id"], {"tokens": m["tokens"]})
             for rnd, tokens in m.get("applied_history") or []:
-                if rnd not in self.applied:
-                    self.applied[rnd], self.seen_at[rnd] = tokens, now
-                elif self.applied[rnd] != tokens:
+                key = (m["stage"], rnd)
+                self.seen_at.setdefault(rnd, now)
+                if key not in self.by_stage:
+                    self.by_stage[key] = tokens
+                elif self.by_stage[key] != tokens:
                     self.mismatch.append(
-                        f"round {rnd}: {tokens} tokens on r{m['replica']}, {self.applied[rnd]} seen"
+                        f"stage {key[0]} round {rnd}: {tokens} tokens on r{m['replica']}, {self.by_stage[key]} seen"
                     )
             if m["stage"] == stages - 1:
                 for step, bpb in m["val_history"]:
@@ -277,15 +282,25 @@ class Ledger:
             for rnd, digest in m.get("anchor_history") or []:
                 self.anchors.setdefault((m["stage"], rnd), {}).setdefault(digest, set()).add(m["replica"])
 
+    @property
+    def applied(self) -> dict[int, int]:
+        """Round -> tokens the consensus applied in it: the mean over the stages that applied it."""
+        per: dict[int, list[int]] = {}
+        for (_, rnd), tokens in self.by_stage.items():
+            per.setdefault(rnd, []).append(tokens)
+        return {r: round(sum(t) / len(t)) for r, t in per.items()}
+
     def tokens_in(self, t0: float, t1: float) -> int:
         return sum(t for r, t in self.applied.items() if t0 <= self.seen_at[r] <= t1)
 
     def lost_rounds(self) -> list[int]:
-        """Rounds between the first and the last applied in which the consensus took nothing."""
-        if not self.applied:
+        """Rounds between the first and the last applied in which some stage's consensus took nothing."""
+        if not self.by_stage:
             return []
-        lo, hi = min(self.applied), max(self.applied)
-        return [r for r in range(lo, hi + 1) if not self.applied.get(r)]
+        stages = {s for s, _ in self.by_stage}
+        first = max(min(r for s, r in self.by_stage if s == st) for st in stages)
+        last = min(max(r for s, r in self.by_stage if s == st) for st in stages)  # every stage got there
+        return [r for r in range(first, last + 1) if any(not self.by_stage.get((s, r)) for s in stages)]
 
     def consensus(self) -> dict:
         """Rounds compared (a stage's anchor checkpointed by at least two replicas) and those whose
@@ -460,9 +475,10 @@ def _progress_line(
     steps: dict[int, int] = {}
     for (r, _), m in placed.items():
         steps[r] = min(steps.get(r, m["step"]), m["step"])
-    tok = sum(ledger.applied.values())
+    applied = ledger.applied
+    tok = sum(applied.values())
     return (
-        f"[{elapsed:6.0f}s] replicas at steps {dict(sorted(steps.items()))}  rounds applied {len(ledger.applied)}  "
+        f"[{elapsed:6.0f}s] replicas at steps {dict(sorted(steps.items()))}  rounds applied {len(applied)}  "
         f"{tok / 1e6:.2f} M tokens applied  faults recovered {recovered}"
     )
 
@@ -512,6 +528,7 @@ def main(argv: list[str] | None = None) -> int:
 
 def _main(argv: list[str] | None) -> int:
     args = parse_args(argv)
+    signal.signal(signal.SIGTERM, _raise_interrupt)  # a killed soak still stops every process it started
     args.out = args.out or Path("runs") / time.strftime("soak-%Y%m%d-%H%M%S")
     base = None
     if args.baseline:

@@ -601,6 +601,10 @@ def test_a_replica_that_dropped_out_is_shown_as_such(
     cells = re.findall(r'<td class="cell dropped"[^>]*>([^<]*)</td>', dom)
     assert len(cells) == 2 and "dropped out at step 40" in cells[0], cells
     assert "1 (batch 16)" in dom and "0 (batch 8)" in dom  # replicas of different batch sizes say so
+    # issue 26: the faults the coordinator saw (a node failed, one gone, the replica out) marked on each plot
+    faults = re.findall(r'<path[^>]*class="event fault"[^>]*><title>fault: ([^<]*)</title>', dom)
+    assert len(faults) == 5 * 3 and sum("dropped out" in f for f in faults) == 5, faults  # each once
+    assert any("(replica 1, stage 1): its node stopped advertising" in f for f in faults), faults
     xs, ys = plot_ticks(dom, "plot-tps")
     assert xs[:3] == ["0s", "30s", "1m"] and len(xs) >= 4, xs
     assert ys[:4] == ["0", "1,000", "2,000", "3,000"], ys
@@ -628,3 +632,5 @@ def test_a_replica_that_dropped_out_is_shown_as_such(
     assert run.placement is not None
     assert {run.placement.slots[(1, s)] for s in (0, 1)} == {nodes[(1, s)].peer_id for s in (0, 1)}
     assert run.rejoins == {1: 1} and 1 not in run.rejoin_at
+    marks = coord.view["runs"][rid]["events"]
+    assert marks[-1]["kind"] == "recovery" and "replica(s) [1] rebuilt" in marks[-1]["what"], marks

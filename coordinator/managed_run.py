@@ -35,6 +35,8 @@ class ManagedRun:
     """(replica, stage) -> nodes that served the slot before churn replaced them, oldest first."""
     failures: dict[str, list[tuple[int, str]]] = field(default_factory=dict)
     """peer -> (epoch, reason) of each assignment of this run it reported failed, or was lost in."""
+    failed_at: dict[str, list[float]] = field(default_factory=dict)
+    """peer -> when (monotonic) each of those failures was noted (`RunWatch` counts the recent ones)."""
     prediction: dict | None = None
     """The planner's prediction for the placement (tokens/s, MFU, tax, $/Mtok), for the dashboard."""
     cost: CostModel | None = None

@@ -16,8 +16,11 @@ from protocol.net.dht_client import dht_time
 
 log = logging.getLogger("coordinator.service")  # the coordinator's lines, under the one name they had
 MAX_REBUILDS_AFTER_FAILURE = 1
-"""A replica whose node reports failed is restarted this many times; then it drops out (a bad data path
-fails the same way every time) until its next rejoin."""
+"""A replica whose node reports failed is restarted this many times within FAILURE_WINDOW_GRACES churn
+graces; then it drops out (a bad data path fails the same way every time, at once) until its next rejoin.
+Failures further apart are each rebuilt at once: on a host that faults now and then (a neighbour killed
+one minute, a link cut the next) every one of them is a node's first."""
+FAILURE_WINDOW_GRACES = 10
 REJOIN_AFTER_GRACES = 6
 """A dropped replica is placed again (its own nodes if healthy, else free ones) this many churn graces after
 it dropped out, the wait doubling with each rejoin that drops out again within twice its wait (at most
@@ -32,6 +35,7 @@ def note_failure(run: ManagedRun, peer: str, reason: str) -> None:
     if not seen or seen[-1][0] != run.epoch:
         again = bool(seen) and seen[-1][1] == reason  # the same failure, counted again at a new epoch
         seen.append((run.epoch, reason))
+        run.failed_at.setdefault(peer, []).append(time.monotonic())
         if again:
             return
         slot = next(
@@ -113,12 +117,15 @@ class RunWatch:
         broken = {
             r for (r, s), p in pl.slots.items() if p in gone or (p in failed and r not in stale_replicas)
         }
-        # a replica that failed again after one rebuild fails for a reason a rebuild does not fix (its
-        # data path, its spec): it drops out instead of being restarted forever
+        # a replica that failed again soon after one rebuild fails for a reason a rebuild does not fix (its
+        # data path, its spec): it drops out (until its rejoin) instead of being restarted forever
         hopeless = {
             r
             for (r, s), p in pl.slots.items()
-            if r in broken and p in failed and len(run.failures.get(p, [])) > MAX_REBUILDS_AFTER_FAILURE
+            if r in broken
+            and p in failed
+            and sum(now - t <= FAILURE_WINDOW_GRACES * self.churn_grace_s for t in run.failed_at.get(p, []))
+            > MAX_REBUILDS_AFTER_FAILURE
         }
         for peer in {p for (r, s), p in pl.slots.items() if r in hopeless} & (gone | failed):
             run.missing_since[peer] = -1.0

@@ -46,6 +46,9 @@ class ManagedRun:
     dropped: set[int] = field(default_factory=set)
     """Replicas that dropped out (lost a node, none free to rebuild): no longer in the survivors'
     stage_peers, so their rounds stop waiting out the deadline for them."""
+    hopeless: set[int] = field(default_factory=set)
+    """Replicas dropped because a node failed again soon after its rebuild (until one is rebuilt): the
+    run fails when every replica is out so; a replica out for a node that vanished waits for nodes."""
     rejoin_at: dict[int, float] = field(default_factory=dict)
     """Dropped replica -> when (monotonic) the coordinator next tries to place it again (`RunWatch`)."""
     rejoins: dict[int, int] = field(default_factory=dict)

@@ -210,6 +210,7 @@ class RunPlacer:
         self.events["rebuilds"] += 1
         rebuilt = broken | {r for r, _ in holes}
         run.dropped -= rebuilt  # a replica that dropped out and now has nodes again counts again
+        run.hopeless -= rebuilt
         run.note_event("recovery", f"replica(s) {sorted(rebuilt)} rebuilt (epoch {run.epoch})")
         log.info(
             "run %s: rebuilding replica(s) %s (epoch %d), resuming from the latest consensus checkpoint",

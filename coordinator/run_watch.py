@@ -75,17 +75,21 @@ class RunWatch:
     def __init__(self, placer: RunPlacer, publisher: RunPublisher, *, churn_grace_s: float) -> None:
         self.placer, self.publisher, self.churn_grace_s = placer, publisher, churn_grace_s
 
-    def watch(self, run: ManagedRun, adverts: dict[str, NodeAdvert]) -> None:
+    def watch(self, run: ManagedRun, adverts: dict[str, NodeAdvert], read_at: float | None = None) -> None:
         """Mark the run done when every slot is done or gone; rebuild replicas that lost a node.
 
         A slot is broken when its node's advert has been missing for churn_grace_s, or the node reports
         `failed` on the current epoch (e.g. its neighbour crashed and the link broke). A broken replica is
         rebuilt with free nodes (re-placing only its holes) and resumes from the latest consensus
         checkpoint; the other replicas keep training and only learn the new signer (no restart). Without
-        free nodes the replica drops out and the others continue."""
+        free nodes the replica drops out and the others continue.
+
+        `read_at`: the DHT time `adverts` were read at (default now). An advert's age is judged against it,
+        not against the time the watch runs: a tick slowed by a stalling store must not age every advert."""
         spec, pl = run.record.spec, run.placement
         assert pl is not None
-        now, dnow = time.monotonic(), dht_time()
+        now, dnow = time.monotonic(), dht_time() if read_at is None else read_at
+        self._back(run, adverts, dnow)
         done, gone, failed, stale, left = 0, set(), set(), set(), set()
         for peer in pl.slots.values():
             a = adverts.get(peer)
@@ -130,6 +134,7 @@ class RunWatch:
         for peer in {p for (r, s), p in pl.slots.items() if r in hopeless} & (gone | failed):
             run.missing_since[peer] = -1.0
         broken -= hopeless
+        run.hopeless |= hopeless
         if broken and not self.placer.rebuild(run, adverts, gone, broken):
             for peer in gone | failed:
                 if run.missing_since.get(peer) != -1.0:
@@ -151,8 +156,31 @@ class RunWatch:
         self.publisher.set_reason(run, dropped_summary(run))
         if done and done + len(lost & set(pl.slots.values())) >= len(pl.slots):
             self.publisher.set_state(run, "done", reason=dropped_summary(run))
-        elif not done and {r for (r, s), p in pl.slots.items() if p in lost} >= {r for r, s in pl.slots}:
+        elif (
+            not done
+            and {r for (r, s), p in pl.slots.items() if p in lost} >= {r for r, s in pl.slots}
+            and (run.hopeless >= {r for r, s in pl.slots})
+        ):  # every replica failed again soon after its rebuild; one whose node vanished waits for nodes
             self.publisher.set_state(run, "failed", reason=failure_summary(run))
+
+    def _back(self, run: ManagedRun, adverts: dict[str, NodeAdvert], dnow: float) -> None:
+        """Nodes counted lost that advertise again, training this run at its epoch (their adverts were
+        late, nobody was told: no new epoch since), are in their slots again."""
+        for peer, since in list(run.missing_since.items()):
+            a = adverts.get(peer)
+            if (
+                since == -1.0
+                and a is not None
+                and dnow - a.timestamp <= self.churn_grace_s
+                and (a.run_id, a.epoch, a.state) == (run.record.spec.run_id, run.epoch, "training")
+            ):
+                del run.missing_since[peer]
+                log.info(
+                    "run %s: node %s is back, training at epoch %d",
+                    run.record.spec.run_id,
+                    peer[-8:],
+                    run.epoch,
+                )
 
     def _rejoin(self, run: ManagedRun, adverts: dict[str, NodeAdvert], dropped: set[int], now: float) -> bool:
         """Place the dropped replicas whose wait is over again (`REJOIN_AFTER_GRACES`); True if it did."""
@@ -169,12 +197,12 @@ class RunWatch:
             return False
         slots = {p for (r, _), p in pl.slots.items() if r in due}
         fresh = dht_time() - 2 * self.churn_grace_s
-        healthy = {
+        healthy = {  # idle, or still at work on this run under an epoch it was dropped from
             p
             for p in slots
             if (a := adverts.get(p)) is not None
             and a.timestamp >= fresh
-            and a.state in ("idle", "failed", "done")
+            and (a.state in ("idle", "failed", "done") or a.run_id == run.record.spec.run_id)
         }
         if not self.placer.rebuild(run, adverts, slots, due, reusable=healthy):
             for r in due:  # no nodes fit yet: look again after one grace

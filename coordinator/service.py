@@ -29,7 +29,7 @@ from coordinator.run_watch import RunWatch
 from protocol import keys
 from protocol.identity import Identity
 from protocol.messages import NodeAdvert, RunControl, RunRecord
-from protocol.net.dht_client import DHTClient
+from protocol.net.dht_client import DHTClient, dht_time
 from protocol.net.store import ObjectStore, StoreError
 from protocol.schema import ProtocolError
 from protocol.trust.delegation import OperatorTrust, RefusalLog, Untrusted
@@ -120,11 +120,11 @@ class Coordinator:
             if rid not in self.runs and rec.state in ACTIVE:
                 with self.faults.guard(rid, "taking the lease"):
                     self._take(rid, rec)
-        adverts = self.adverts()
+        adverts, read_at = self.adverts(), dht_time()
         for rid, run in list(self.runs.items()):
             if run.record.state in ACTIVE:
                 with self.faults.guard(rid, "leading the run"):
-                    self._lead(rid, run, adverts)
+                    self._lead(rid, run, adverts, read_at)
         self.publisher.publish(force=False)
         self._observe(records, adverts)
 
@@ -161,7 +161,7 @@ class Coordinator:
                     f"coordinator {self.identity.peer_id[-8:]} took the run over (term {held.lease.term})",
                 )
 
-    def _lead(self, rid: str, run: ManagedRun, adverts: dict[str, NodeAdvert]) -> None:
+    def _lead(self, rid: str, run: ManagedRun, adverts: dict[str, NodeAdvert], read_at: float) -> None:
         """Renew the lease of a run we lead (or let it go), act on a stop request, place or watch it."""
         if not self.may_sign_for(rid):  # our certificate expired: nothing we sign counts any more
             log.error("run %s: letting the lease go: this coordinator may no longer sign for it", rid)
@@ -179,7 +179,7 @@ class Coordinator:
         if run.record.state == "pending" or (run.record.state == "running" and run.placement is None):
             self.placer.place(run, adverts)
         elif run.record.state == "running":
-            self.watch.watch(run, adverts)
+            self.watch.watch(run, adverts, read_at)
         if run.record.state == "running":
             self.grants.issue(run, adverts)
         elif run.record.state == "stopping":

@@ -76,7 +76,11 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
         help="the undisturbed arm's window, run first in the same invocation (default: --minutes; 0: none, "
         "goodput is then not compared unless --baseline gives it)",
     )
-    ap.add_argument("--baseline", type=Path, help="a previous soak's JSON line: its baseline figures")
+    ap.add_argument(
+        "--baseline",
+        type=Path,
+        help="the undisturbed arm's figures from an earlier soak (its soak.json or baseline.json)",
+    )
     ap.add_argument("--seed", type=int, default=1, help="the fault schedule's seed (default 1)")
     ap.add_argument(
         "--faults", type=int, help="faults to inject (default: about 0.8 per minute, at least 20 for 30 min)"
@@ -531,10 +535,12 @@ def _main(argv: list[str] | None) -> int:
     signal.signal(signal.SIGTERM, _raise_interrupt)  # a killed soak still stops every process it started
     args.out = args.out or Path("runs") / time.strftime("soak-%Y%m%d-%H%M%S")
     base = None
-    if args.baseline:
-        base = json.loads(args.baseline.read_text().strip().splitlines()[-1]).get("baseline_arm")
+    if args.baseline:  # a soak's soak.json, or the baseline.json its undisturbed arm wrote
+        given = json.loads(args.baseline.read_text())
+        base = given.get("baseline_arm", given)
     if args.baseline_minutes > 0:
         base = run_arm("baseline", args, args.baseline_minutes, [])
+        (args.out / "baseline.json").write_text(json.dumps(base, indent=1))  # kept if the soak arm fails
     window = 60 * args.minutes
     faults = schedule(
         args.seed, window, args.faults, args.kinds, args.warmup_s, cooldown_s=min(60.0, window / 5)

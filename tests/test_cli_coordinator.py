@@ -634,3 +634,68 @@ def test_a_replica_that_dropped_out_is_shown_as_such(
     assert run.rejoins == {1: 1} and 1 not in run.rejoin_at
     marks = coord.view["runs"][rid]["events"]
     assert marks[-1]["kind"] == "recovery" and "replica(s) [1] rebuilt" in marks[-1]["what"], marks
+
+
+def test_adverts_are_aged_from_when_the_tick_read_them(home: Path, dht: Any, moto_store: str) -> None:
+    """Issue 26 (found by the soak): a tick that the store slowed (a lease renewal held through retries)
+    must not age every advert it read before: judged against when they were read, all four nodes of a
+    2 x 2 run are live; judged against the time the watch ran, 2.5 s later with a 1 s churn grace, all
+    four looked gone and the run failed."""
+    import msgpack
+
+    from coordinator.lease import try_acquire
+    from coordinator.service import Coordinator
+    from protocol import keys
+    from protocol.envelope import seal
+    from protocol.identity import Identity
+    from protocol.messages import Assignment, NodeAdvert, RunRecord
+    from protocol.net.dht_client import dht_time
+    from protocol.net.store import ObjectStore, StoreConfig
+    from protocol.runspec import ModelSpec, RunSpec
+
+    store = ObjectStore(StoreConfig(endpoint_url=moto_store, bucket="crucible"))
+    store.ensure_bucket()
+    operator = _operator(home)
+    rid = "aged-2x2"
+    spec = RunSpec(run_id=rid, replicas=2, stages=2, model=ModelSpec(d_model=32, n_layers=2, n_heads=2))
+    nodes = {(r, s): Identity.generate() for r in range(2) for s in range(2)}
+    assert try_acquire(store, operator, rid, 30, now=time.time() - 100)
+    archive = [
+        seal(operator, Assignment(
+            run_id=rid, term=1, epoch=3, peer_id=n.peer_id, replica=r, stage=s,
+            layers=list(spec.layer_ranges()[s]), spec=spec,
+            stage_peers={str(rr): nodes[(rr, s)].peer_id for rr in range(2)},
+        ))
+        for (r, s), n in nodes.items()
+    ]  # fmt: skip
+    store.put(keys.assign_key(rid, 1, 3), msgpack.packb(archive))
+    record = RunRecord(spec=spec, state="running", term=1, coordinator=operator.peer_id, updated=dht_time())
+    assert dht.publish(keys.RUNS_KEY, record, 60, signer=operator, name=rid)
+    for (r, s), n in nodes.items():
+        advert = NodeAdvert(
+            peer_id=n.peer_id, version="test", device="cpu", memory_gb=16.0, tflops=1.0, price_per_hour=0.5,
+            host="127.0.0.1", port=4000 + 2 * r + s, health_port=5000, run_id=rid, replica=r, stage=s,
+            epoch=3, step=40, tokens_per_s=1470.0, timestamp=dht_time(), state="training",
+        )  # fmt: skip
+        assert dht.publish(keys.NODES_KEY, advert, 60, signer=n)
+    coord = Coordinator(operator, dht, store, churn_grace_s=1.0)
+    coord.tick()
+    run = coord.runs[rid]
+    assert run.placement is not None and run.epoch == 3
+    adverts, read_at = coord.adverts(), dht_time()
+    time.sleep(2.5)  # the store held the tick this long after the adverts were read
+    coord.watch.watch(run, adverts, read_at)
+    assert not run.dropped_out() and run.record.state == "running", (run.missing_since, run.record)
+    coord.watch.watch(run, adverts)  # the same adverts aged to now: what the coordinator used to do
+    assert run.dropped_out() == {0, 1}
+    assert run.record.state == "running"  # nodes that vanished are waited for; no failure of theirs
+    # their next adverts: training at the run's epoch, nobody told otherwise: back in their slots
+    for (r, s), n in nodes.items():
+        advert = NodeAdvert(
+            peer_id=n.peer_id, version="test", device="cpu", memory_gb=16.0, tflops=1.0, price_per_hour=0.5,
+            host="127.0.0.1", port=4000 + 2 * r + s, health_port=5000, run_id=rid, replica=r, stage=s,
+            epoch=3, step=44, tokens_per_s=1470.0, timestamp=dht_time(), state="training",
+        )  # fmt: skip
+        assert dht.publish(keys.NODES_KEY, advert, 60, signer=n)
+    coord.watch.watch(run, coord.adverts(), dht_time())
+    assert not run.dropped_out() and run.epoch == 3 and run.record.state == "running", run.missing_since

@@ -501,6 +501,51 @@ def test_unknown_waiting_stopped_and_finished_runs_say_so(
     assert "already finished (done at" in line and "new run id" in line, line
 
 
+def _taken_over_run(dht: Any, store: Any, operator: Any, spec: Any) -> dict[tuple[int, int], Any]:
+    """A 2 x 2 run placed at term 1 epoch 3 whose first coordinator died (its lease lapsed 70 s ago, its
+    assignment archive in the store, its record in the DHT): the nodes' identities by (replica, stage)."""
+    import msgpack
+
+    from coordinator.lease import try_acquire
+    from protocol import keys
+    from protocol.envelope import seal
+    from protocol.identity import Identity
+    from protocol.messages import Assignment, RunRecord
+    from protocol.net.dht_client import dht_time
+
+    rid = spec.run_id
+    nodes = {(r, s): Identity.generate() for r in range(2) for s in range(2)}
+    assert try_acquire(store, operator, rid, 30, now=time.time() - 100)
+    archive = [
+        seal(operator, Assignment(
+            run_id=rid, term=1, epoch=3, peer_id=n.peer_id, replica=r, stage=s,
+            layers=list(spec.layer_ranges()[s]), spec=spec,
+            stage_peers={str(rr): nodes[(rr, s)].peer_id for rr in range(2)},
+        ))
+        for (r, s), n in nodes.items()
+    ]  # fmt: skip
+    store.put(keys.assign_key(rid, 1, 3), msgpack.packb(archive))
+    record = RunRecord(spec=spec, state="running", term=1, coordinator=operator.peer_id, updated=dht_time())
+    assert dht.publish(keys.RUNS_KEY, record, 60, signer=operator, name=rid)
+    return nodes
+
+
+def _advertise(dht: Any, node: Any, slot: tuple[int, int], spec: Any, **fields: Any) -> None:
+    """`node`'s advert for `slot` (replica, stage) of `spec`'s run at epoch 3, now; `fields` override."""
+    from protocol import keys
+    from protocol.messages import NodeAdvert
+    from protocol.net.dht_client import dht_time
+
+    replica, stage = slot
+    base = dict(
+        peer_id=node.peer_id, version="test", device="cpu", memory_gb=16.0, tflops=1.0, price_per_hour=0.5,
+        host="127.0.0.1", port=4000 + 2 * replica + stage, health_port=5000, run_id=spec.run_id,
+        replica=replica, stage=stage, epoch=3, step=40, tokens_per_s=1470.0, timestamp=dht_time(),
+        state="training",
+    )  # fmt: skip
+    assert dht.publish(keys.NODES_KEY, NodeAdvert(**{**base, **fields}), 60, signer=node)
+
+
 def test_a_replica_that_dropped_out_is_shown_as_such(
     home: Path,
     dht: Any,
@@ -513,17 +558,10 @@ def test_a_replica_that_dropped_out_is_shown_as_such(
     dashboard show replica 1 as dropped out, not with its failed node's last figures; the dashboard's
     plots, rendered by Chromium, label both axes with a few round ticks (time since the first sample,
     numbers like 2,000)."""
-    import msgpack
 
     from coordinator.dashboard import Dashboard
-    from coordinator.lease import try_acquire
     from coordinator.run_figures import Sample
     from coordinator.service import Coordinator
-    from protocol import keys
-    from protocol.envelope import seal
-    from protocol.identity import Identity
-    from protocol.messages import Assignment, NodeAdvert, RunRecord
-    from protocol.net.dht_client import dht_time
     from protocol.net.store import ObjectStore, StoreConfig
     from protocol.runspec import ModelSpec, ReplicaShape, RunSpec
     from tests.helpers.observability import chromium, plot_ticks
@@ -539,30 +577,12 @@ def test_a_replica_that_dropped_out_is_shown_as_such(
         model=ModelSpec(d_model=32, n_layers=2, n_heads=2),
         shapes=[ReplicaShape(replicas=[1], microbatches=8)],  # replica 1 at twice the batch (issue 22)
     )
-    nodes = {(r, s): Identity.generate() for r in range(2) for s in range(2)}
-    assert try_acquire(store, operator, rid, 30, now=time.time() - 100)  # its first coordinator died
-    archive = [
-        seal(operator, Assignment(
-            run_id=rid, term=1, epoch=3, peer_id=n.peer_id, replica=r, stage=s,
-            layers=list(spec.layer_ranges()[s]), spec=spec,
-            stage_peers={str(rr): nodes[(rr, s)].peer_id for rr in range(2)},
-        ))
-        for (r, s), n in nodes.items()
-    ]  # fmt: skip
-    store.put(keys.assign_key(rid, 1, 3), msgpack.packb(archive))
-    record = RunRecord(spec=spec, state="running", term=1, coordinator=operator.peer_id, updated=dht_time())
-    assert dht.publish(keys.RUNS_KEY, record, 60, signer=operator, name=rid)
+    nodes = _taken_over_run(dht, store, operator, spec)
     # replica 0 trains; replica 1's last stage is gone, its first reports the broken link
     for (r, s), n in nodes.items():
-        if (r, s) == (1, 1):
-            continue
-        advert = NodeAdvert(
-            peer_id=n.peer_id, version="test", device="cpu", memory_gb=16.0, tflops=1.0, price_per_hour=0.5,
-            host="127.0.0.1", port=4000 + 2 * r + s, health_port=5000, run_id=rid, replica=r, stage=s,
-            epoch=3, step=40, tokens_per_s=1470.0, timestamp=dht_time(),
-            state="failed" if r else "training", error="the link to stage 1 closed" if r else "",
-        )  # fmt: skip
-        assert dht.publish(keys.NODES_KEY, advert, 60, signer=n)
+        if (r, s) != (1, 1):
+            _advertise(dht, n, (r, s), spec, state="failed" if r else "training",
+                       error="the link to stage 1 closed" if r else "")  # fmt: skip
     coord = Coordinator(operator, dht, store)
     t0 = time.time() - 130  # two minutes of history before the takeover, for the plots' axes
     for i in range(128):
@@ -618,11 +638,9 @@ def test_a_replica_that_dropped_out_is_shown_as_such(
     from coordinator.run_watch import REJOIN_AFTER_GRACES
 
     assert run.rejoin_at[1] - time.monotonic() > (REJOIN_AFTER_GRACES - 1) * coord.watch.churn_grace_s
-    back = NodeAdvert(
-        peer_id=nodes[(1, 1)].peer_id, version="test", device="cpu", memory_gb=16.0, tflops=1.0,
-        price_per_hour=0.5, host="127.0.0.1", port=4100, health_port=5100, timestamp=dht_time(),
-    )  # fmt: skip
-    assert dht.publish(keys.NODES_KEY, back, 60, signer=nodes[(1, 1)])
+    _advertise(
+        dht, nodes[(1, 1)], (1, 1), spec, run_id="", replica=-1, stage=-1, epoch=0, state="idle", step=0
+    )
     epoch = run.epoch
     coord.tick()
     assert run.dropped == {1} and run.epoch == epoch  # not before its wait is over
@@ -641,14 +659,7 @@ def test_adverts_are_aged_from_when_the_tick_read_them(home: Path, dht: Any, mot
     must not age every advert it read before: judged against when they were read, all four nodes of a
     2 x 2 run are live; judged against the time the watch ran, 2.5 s later with a 1 s churn grace, all
     four looked gone and the run failed."""
-    import msgpack
-
-    from coordinator.lease import try_acquire
     from coordinator.service import Coordinator
-    from protocol import keys
-    from protocol.envelope import seal
-    from protocol.identity import Identity
-    from protocol.messages import Assignment, NodeAdvert, RunRecord
     from protocol.net.dht_client import dht_time
     from protocol.net.store import ObjectStore, StoreConfig
     from protocol.runspec import ModelSpec, RunSpec
@@ -656,31 +667,15 @@ def test_adverts_are_aged_from_when_the_tick_read_them(home: Path, dht: Any, mot
     store = ObjectStore(StoreConfig(endpoint_url=moto_store, bucket="crucible"))
     store.ensure_bucket()
     operator = _operator(home)
-    rid = "aged-2x2"
-    spec = RunSpec(run_id=rid, replicas=2, stages=2, model=ModelSpec(d_model=32, n_layers=2, n_heads=2))
-    nodes = {(r, s): Identity.generate() for r in range(2) for s in range(2)}
-    assert try_acquire(store, operator, rid, 30, now=time.time() - 100)
-    archive = [
-        seal(operator, Assignment(
-            run_id=rid, term=1, epoch=3, peer_id=n.peer_id, replica=r, stage=s,
-            layers=list(spec.layer_ranges()[s]), spec=spec,
-            stage_peers={str(rr): nodes[(rr, s)].peer_id for rr in range(2)},
-        ))
-        for (r, s), n in nodes.items()
-    ]  # fmt: skip
-    store.put(keys.assign_key(rid, 1, 3), msgpack.packb(archive))
-    record = RunRecord(spec=spec, state="running", term=1, coordinator=operator.peer_id, updated=dht_time())
-    assert dht.publish(keys.RUNS_KEY, record, 60, signer=operator, name=rid)
+    spec = RunSpec(
+        run_id="aged-2x2", replicas=2, stages=2, model=ModelSpec(d_model=32, n_layers=2, n_heads=2)
+    )
+    nodes = _taken_over_run(dht, store, operator, spec)
     for (r, s), n in nodes.items():
-        advert = NodeAdvert(
-            peer_id=n.peer_id, version="test", device="cpu", memory_gb=16.0, tflops=1.0, price_per_hour=0.5,
-            host="127.0.0.1", port=4000 + 2 * r + s, health_port=5000, run_id=rid, replica=r, stage=s,
-            epoch=3, step=40, tokens_per_s=1470.0, timestamp=dht_time(), state="training",
-        )  # fmt: skip
-        assert dht.publish(keys.NODES_KEY, advert, 60, signer=n)
+        _advertise(dht, n, (r, s), spec)
     coord = Coordinator(operator, dht, store, churn_grace_s=1.0)
     coord.tick()
-    run = coord.runs[rid]
+    run = coord.runs[spec.run_id]
     assert run.placement is not None and run.epoch == 3
     adverts, read_at = coord.adverts(), dht_time()
     time.sleep(2.5)  # the store held the tick this long after the adverts were read
@@ -691,11 +686,6 @@ def test_adverts_are_aged_from_when_the_tick_read_them(home: Path, dht: Any, mot
     assert run.record.state == "running"  # nodes that vanished are waited for; no failure of theirs
     # their next adverts: training at the run's epoch, nobody told otherwise: back in their slots
     for (r, s), n in nodes.items():
-        advert = NodeAdvert(
-            peer_id=n.peer_id, version="test", device="cpu", memory_gb=16.0, tflops=1.0, price_per_hour=0.5,
-            host="127.0.0.1", port=4000 + 2 * r + s, health_port=5000, run_id=rid, replica=r, stage=s,
-            epoch=3, step=44, tokens_per_s=1470.0, timestamp=dht_time(), state="training",
-        )  # fmt: skip
-        assert dht.publish(keys.NODES_KEY, advert, 60, signer=n)
+        _advertise(dht, n, (r, s), spec, step=44)
     coord.watch.watch(run, coord.adverts(), dht_time())
     assert not run.dropped_out() and run.epoch == 3 and run.record.state == "running", run.missing_since

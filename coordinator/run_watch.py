@@ -74,6 +74,9 @@ class RunWatch:
 
     def __init__(self, placer: RunPlacer, publisher: RunPublisher, *, churn_grace_s: float) -> None:
         self.placer, self.publisher, self.churn_grace_s = placer, publisher, churn_grace_s
+        self.last_advert: dict[str, NodeAdvert] = {}
+        """Each node's newest advert seen: a DHT read that misses one (a peer holding it stalled) does not
+        make the node gone; its age does."""
 
     def watch(self, run: ManagedRun, adverts: dict[str, NodeAdvert], read_at: float | None = None) -> None:
         """Mark the run done when every slot is done or gone; rebuild replicas that lost a node.
@@ -93,6 +96,9 @@ class RunWatch:
         done, gone, failed, stale, left = 0, set(), set(), set(), set()
         for peer in pl.slots.values():
             a = adverts.get(peer)
+            if a is not None:
+                self.last_advert[peer] = a
+            a = self.last_advert.get(peer)  # (absent from this read: as old as the last one seen)
             if a is not None and a.state == "leaving":  # given notice and gone: no grace to wait out
                 gone.add(peer)
                 left.add(peer)

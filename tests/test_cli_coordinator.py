@@ -689,3 +689,8 @@ def test_adverts_are_aged_from_when_the_tick_read_them(home: Path, dht: Any, mot
         _advertise(dht, n, (r, s), spec, step=44)
     coord.watch.watch(run, coord.adverts(), dht_time())
     assert not run.dropped_out() and run.epoch == 3 and run.record.state == "running", run.missing_since
+    # a DHT read that misses a node's advert (a peer holding it stalled, as a SIGSTOPped host's does):
+    # the node is as old as its last advert seen, not gone (the soak's 30-minute run dropped a live replica so)
+    partial = {p: a for p, a in coord.adverts().items() if p != nodes[(0, 0)].peer_id}
+    coord.watch.watch(run, partial, dht_time())
+    assert not run.dropped_out(), run.missing_since

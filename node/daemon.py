@@ -243,6 +243,37 @@ class AssignmentSource:
     def newer_in_archive(self, a: Assignment) -> tuple[int, int] | None:
         """The (term, epoch) of an assignment of `a`'s run at `a`'s term and a newer epoch, signed by that
         term's leader (any trusted key while none is proven), from the store's archives (None: none is)."""
+        newer = self._newer_archive(a)
+        return None if not newer else max((b.term, b.epoch) for b in newer)
+
+    def left_out(self, a: Assignment) -> str | None:
+        """Why `a`, the assignment a worker trains under, no longer holds its slot: the newest archive of
+        its term at a newer epoch (signed as `newer_in_archive` counts) gives this node no slot, or another
+        one (its replica dropped out, its slot went to another node). None: that archive keeps the slot
+        (only other replicas' signers changed: the DHT brings the new assignment), no newer archive is
+        there, or the store did not answer (asked again next round). Costs one LIST, and a GET per newer
+        archive: the round owner asks once per round, before it applies one."""
+        try:
+            newer = self._newer_archive(a)
+        except StoreError as e:
+            log.info("run %s: cannot read its assignment archives now: %s", a.run_id, e)
+            return None
+        if not newer:
+            return None
+        epoch = max((b.term, b.epoch) for b in newer)
+        mine = [b for b in newer if (b.term, b.epoch) == epoch and b.peer_id == self.peer_id]
+        if any((b.replica, b.stage) == (a.replica, a.stage) for b in mine):
+            return None
+        where = "another slot" if mine else "no slot"
+        return (
+            f"left out of run {a.run_id} replica {a.replica} stage {a.stage}: term {epoch[0]} epoch "
+            f"{epoch[1]} gives this node {where} (its replica dropped out, or its slot went to another "
+            "node); the rounds of its slot are no longer this node's to apply"
+        )
+
+    def _newer_archive(self, a: Assignment) -> list[Assignment]:
+        """The assignments of `a`'s run in the newest archive of `a`'s term at a newer epoch that holds
+        any signed by that term's leader (any trusted key while none is proven); [] when none does."""
         leader = self._leaders.get((a.run_id, a.term))
         newer = sorted(
             (slot, key)
@@ -256,8 +287,8 @@ class AssignmentSource:
                 blob = self.store.get(key, max_bytes=MAX_ARCHIVE_BYTES)
                 if blob is None:
                     continue
-                slots = [
-                    (b.body.term, b.body.epoch)
+                found = [
+                    b.body
                     for b in open_archive(blob, self.trust)
                     if b.body.run_id == a.run_id
                     and (b.body.term, b.body.epoch) > (a.term, a.epoch)
@@ -266,9 +297,9 @@ class AssignmentSource:
             except (StoreError, ProtocolError, ValueError) as e:  # ValueError: a bad signature
                 log.info("run %s: ignoring assignment archive %s: %s", a.run_id, key, e)
                 continue
-            if slots:
-                return max(slots)
-        return None
+            if found:
+                return found
+        return []
 
     def pick(self, held: Assignment | None) -> Assignment | None:
         """The assignment to act on now when one is newer than `held` (None: carry on as before): of the
@@ -562,6 +593,7 @@ class NodeDaemon:
             compile=self.cfg.compile,
             node_shaper=self.shaper,
             operator=self.trust,
+            left_out=self._left_out,
         )
 
         def run() -> None:
@@ -583,7 +615,7 @@ class NodeDaemon:
                         a.run_id,
                         a.replica,
                         a.stage,
-                        self._stop_reason or "stopped by operator",
+                        self._stop_reason or self.notice.reason() or self._left_out() or "the run ended",
                     )
                 else:
                     self._worker_failed(a, str(e))
@@ -616,15 +648,20 @@ class NodeDaemon:
         self.stop_event.set()
 
     def _run_ended(self, a: Assignment) -> bool:
-        """Whether the node stopped the worker or the run ended (stopped, done, failed): a link broken by
-        a neighbour that stopped first is then no failure."""
+        """Whether the node stopped the worker, the run ended (stopped, done, failed) or a newer epoch left
+        this node out: a link broken by a neighbour that stopped first is then no failure."""
         if self._stop_reason is not None or self.notice.reason() is not None:
             return True
         try:
-            return self.source.run_state(a.run_id) in ENDED
+            return self.source.run_state(a.run_id) in ENDED or self._left_out() is not None
         except Exception as e:  # the DHT did not answer: report the failure as it is
             log.warning("cannot read the state of run %s: %s", a.run_id, e)
             return False
+
+    def _left_out(self) -> str | None:
+        """Why the held assignment's slot is no longer this node's (`AssignmentSource.left_out`), or None."""
+        a = self.assignment
+        return None if a is None or a.stage == -1 else self.source.left_out(a)
 
     def _worker_failed(self, a: Assignment, reason: str) -> None:
         """Report a failed assignment: `failed` with the reason in /status and in the DHT advert (the

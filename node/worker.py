@@ -35,7 +35,7 @@ from node.pipeline.transport import Link, Shaper, connect
 from node.subspace_model import boundary_codecs, confinement, constrain_stage, project_weights_
 from node.sync.exchange import applied_history
 from node.sync.expert_bias import Balancer, Signers, stage_balancer
-from node.sync.outer_sync import LocalState, OuterSync
+from node.sync.outer_sync import LocalState, OuterSync, RoundSuperseded
 from node.sync.pair_sync import PAIR_OUTCOMES, pair_settings
 from node.sync.sparseloco_sync import make_sync_parts
 from node.sync.stage_checkpoints import StageCheckpoints
@@ -237,10 +237,14 @@ class StageWorker:
         compile: bool = True,
         node_shaper: Shaper | None = None,
         operator: OperatorTrust | None = None,
+        left_out: Callable[[], str | None] = lambda: None,
     ) -> None:
         """device: where the stage trains (default CPU); compile: torch.compile the stage on CUDA;
         node_shaper: the node's emulated link (--emulate-mbps), applied to its links' sends; operator: who
-        signs the run's assignments (a resuming first stage reads the later stages' signers from them)."""
+        signs the run's assignments (a resuming first stage reads the later stages' signers from them);
+        left_out: why this node no longer holds its slot (None: it does), asked before each round is
+        applied: a worker left out stops there, applying and checkpointing nothing more."""
+        self.left_out = left_out
         self.node_shaper = node_shaper or Shaper()
         self.device = device or torch.device("cpu")
         self.compile = compile
@@ -359,6 +363,8 @@ class StageWorker:
                 m.weights_sha256 = weights_digest(st.module)
                 m.group_sha256 = group_digests(self.spec, st.module.state_dict())
                 self._report()
+        except RoundSuperseded as e:  # a newer epoch left us out: stop where we are, apply nothing more
+            result = str(e)
         finally:
             self._close_links()
             st.sync.close()  # a checkpoint upload in flight finishes
@@ -482,6 +488,7 @@ class StageWorker:
             checkpoint_every=spec.sync.checkpoint_every,
             confine=confinement(module),  # the anchor stays in span(U), identically on every replica
             butterfly=pair_settings(spec),  # sync.topology = "butterfly": pair exchanges, no consensus
+            superseded=self.left_out,  # a replica dropped out while alive must not hold a second consensus
         )
 
     def _train(self, st: _Setup) -> str:

@@ -222,3 +222,30 @@ def test_a_replica_restarted_from_a_checkpoint_commits_the_same_late_fragments(s
     with ThreadPoolExecutor(2) as pool:
         got = list(pool.map(lambda ex: put(ex, FragmentId(solo, 0, 0, 1, ex.replica)), [alone, fresh]))
     assert all(values(g) == {0: 11.0, 1: 12.0} and g.late == {} for g in got)
+
+
+def test_a_replica_left_out_by_a_newer_epoch_applies_no_more_rounds(
+    store: ObjectStore, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The soak's split (docs/reliability.md): replica 1 dropped out while its nodes trained on; replica 0,
+    at the new epoch, settles rounds alone while replica 1, at the old one, would settle them with both:
+    two agreed sets. Told by its node that a newer epoch left it out (`superseded`), replica 1 applies
+    neither a settled round nor keeps waiting on one below quorum: RoundSuperseded, and nothing applied."""
+    from node.sync.exchange import RoundSuperseded
+
+    monkeypatch.setattr("node.sync.round_exchange.SUPERSEDED_CHECK_S", 0.2)
+    run = f"rx-{uuid.uuid4().hex[:8]}"
+    survivor = exchange(store, 0, 2, timeout_s=0.5)
+    survivor.set_stage_peers({0: IDS[0].peer_id})  # epoch 2: replica 1 dropped out
+    why = "left out of run x replica 1 stage 0: term 1 epoch 2 gives this node no slot"
+    dropped = exchange(store, 1, 2, timeout_s=0.5)  # still at epoch 1: both replicas live
+    assert values(put(survivor, FragmentId(run, 0, 0, 0, 0))) == {0: 1.0}
+    assert values(put(dropped, FragmentId(run, 0, 0, 0, 1))) == {0: 1.0, 1: 2.0}  # the second consensus
+    dropped.superseded = lambda: why
+    assert values(put(survivor, FragmentId(run, 0, 0, 1, 0))) == {0: 11.0}
+    with pytest.raises(RoundSuperseded, match="gives this node no slot"):
+        put(dropped, FragmentId(run, 0, 0, 1, 1))  # settled {0, 1}, but not ours to apply
+    t0 = time.monotonic()
+    with pytest.raises(RoundSuperseded):  # below quorum (replica 0 never comes): it does not wait on
+        put(dropped, FragmentId(run, 0, 0, 2, 1))
+    assert time.monotonic() - t0 < 5.0

@@ -149,6 +149,46 @@ def test_an_assignment_superseded_by_a_newer_epoch_or_of_an_ended_run_is_not_cur
     assert src.why_not_current(found) == f"run {again.rid} is done"
 
 
+def test_a_node_training_on_is_told_when_a_newer_epoch_leaves_it_out(
+    dht: DHTClient, store: ObjectStore
+) -> None:
+    """`AssignmentSource.left_out`, which the round owner asks before it applies a round: replica 1's node,
+    training on under epoch 1 after its replica dropped out at epoch 2, is left out; a survivor whose epoch 2
+    keeps its slot (only the signers changed) is not, nor is the node once epoch 3 rebuilds its replica with
+    it; a forged newer archive leaves nobody out."""
+    run = Run(dht, store, Identity.generate())
+    held = run.replica_1_drops_out()
+    src = source(run)
+    why = src.left_out(held)
+    assert why is not None and "term 1 epoch 2 gives this node no slot" in why and "dropped out" in why
+    kept = run.assignment(0, 1, term=1, epoch=1, listed=(0, 1))
+    assert source_of(run, kept.peer_id).left_out(kept) is None  # epoch 2 holds replica 0's slot for it
+    # another node takes the slot at epoch 3: still left out (no slot); then epoch 4 gives it stage 0
+    run.peers[(1, 1)] = Identity.generate().peer_id
+    run.archive(1, 3, [run.assignment(r, s, term=1, epoch=3, listed=(0, 1)) for r, s in run.peers])
+    assert "gives this node no slot" in (src.left_out(held) or "")
+    run.peers[(1, 0)] = run.node.peer_id
+    run.archive(1, 4, [run.assignment(r, s, term=1, epoch=4, listed=(0, 1)) for r, s in run.peers])
+    assert "gives this node another slot" in (src.left_out(held) or "")
+    # a forged archive at a newer epoch (a stranger's signature) says nothing
+    again = Run(dht, store, Identity.generate())
+    again.state("running")
+    first = [again.assignment(r, s, term=1, epoch=1, listed=(0, 1)) for r, s in again.peers]
+    again.archive(1, 1, first)
+    forged = again.assignment(0, 0, term=1, epoch=2, listed=(0,))
+    store.put(keys.assign_key(again.rid, 1, 2), msgpack.packb([seal(Identity.generate(), forged)]))
+    mine = next(a for a in first if a.peer_id == again.node.peer_id)
+    assert source(again).left_out(mine) is None
+
+
+def source_of(run: Run, peer_id: str) -> AssignmentSource:
+    """`source` for another node of `run`."""
+    from node.daemon import AssignmentSource
+
+    trust = OperatorTrust.of({OPERATOR.public_key})
+    return AssignmentSource(peer_id, run.dht, run.store, trust, RefusalLog(logging.getLogger(__name__)))
+
+
 def test_a_restarted_node_does_not_take_its_dropped_replica_s_old_slot(
     dht: DHTClient, store: ObjectStore, moto_store: str
 ) -> None:

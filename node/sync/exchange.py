@@ -44,6 +44,12 @@ class RoundAgreementError(RuntimeError):
     """The round's agreed set cannot be applied here (the store would not list it or give a fragment it lists)."""
 
 
+class RoundSuperseded(RuntimeError):
+    """This node's slot went to a newer epoch of the run's assignments that leaves it out (its replica dropped
+    out while it trained on): the rounds it reaches are no longer its to apply or checkpoint, and a replica
+    that went on would hold a consensus of its own. The worker stops, applying nothing more."""
+
+
 @dataclass(frozen=True)
 class FragmentId:
     run_id: str
@@ -237,6 +243,7 @@ __all__ = [
     "FragmentCodec",
     "FragmentId",
     "RoundAgreementError",
+    "RoundSuperseded",
     "SyncStats",
     "TokenClaimError",
     "TokensBound",

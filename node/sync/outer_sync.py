@@ -38,6 +38,7 @@ from node.sync.exchange import (
     FragmentCodec,
     FragmentId,
     RoundAgreementError,
+    RoundSuperseded,
     SyncStats,
     record_applied,
 )
@@ -155,6 +156,7 @@ class OuterSync:
         max_late_rounds: int = 1,
         tokens_per_step: int = 1,
         butterfly: PairSettings | None = None,
+        superseded: Callable[[], str | None] = lambda: None,
     ) -> None:
         """schedule: when each fragment is captured and applied (`SyncSpec.schedule()`). poll_s,
         poll_max_s: the first and the longest wait between two polls of the store for the
@@ -170,7 +172,8 @@ class OuterSync:
         params of its parameters (None: one group numbered `stage` of them all, as in a run whose replicas
         share one split). group_peers, former_group_peers: each group's signers by replica (None: the
         stage's, stage_peers and former_stage_peers, for every group). butterfly: pair exchanges instead of
-        the all-to-all round (node/sync/pair_sync.py; None: all-to-all)."""
+        the all-to-all round (node/sync/pair_sync.py; None: all-to-all). superseded: why this node no longer
+        holds its slot (None: it does), asked before each round is applied (RoundSuperseded)."""
         if not 0 < poll_s <= poll_max_s:
             raise ValueError(f"need 0 < poll_s <= poll_max_s, got poll_s={poll_s} poll_max_s={poll_max_s}")
         self.params = params
@@ -208,6 +211,7 @@ class OuterSync:
                 quorum=quorum,
                 cancelled=cancelled,
                 max_late_rounds=max_late_rounds,
+                superseded=superseded,
             )
             for g in sorted(self.groups)
         }
@@ -478,6 +482,7 @@ __all__ = [
     "LocalState",
     "OuterSync",
     "RoundAgreementError",
+    "RoundSuperseded",
     "StepOutcome",
     "SyncStats",
 ]

@@ -39,6 +39,7 @@ from node.sync.exchange import (
     FragmentCodec,
     FragmentId,
     RoundAgreementError,
+    RoundSuperseded,
     SyncStats,
 )
 from node.sync.late_window import Committed, LateWindow, Ours
@@ -55,6 +56,8 @@ log = logging.getLogger(__name__)
 TOO_LARGE = "too large"
 """What `_Gathered.seen` notes for a key whose object was refused by its size, or that the store would not
 serve (no digest was taken)."""
+SUPERSEDED_CHECK_S = 5.0
+"""How often a round below quorum asks whether this node still holds its slot (at least every timeout_s)."""
 QUORUM_WAIT = 10
 """A round below quorum waits, for the missing replicas or for the coordinator to rebuild or drop the lost
 ones (the live slots then shrink and so does q), however long that takes: a replica that gave up and
@@ -103,7 +106,10 @@ class RoundExchange:
     replica's slot and lists the round; bytes, rejections and misses are counted in the outer loop's
     `stats` (under `lock`). quorum: the q of node/sync/round_rule.py (0: a majority of the live slots).
     cancelled: the worker is stopping: a round still waiting gives up and applies nothing. max_late_rounds:
-    the k of node/sync/late_window.py (earlier rounds' late fragments a round commits)."""
+    the k of node/sync/late_window.py (earlier rounds' late fragments a round commits). superseded: why this
+    node no longer holds its slot (None: it does), asked once a round's set is final, before it is applied,
+    and every SUPERSEDED_CHECK_S while below quorum: a replica dropped out while alive must not apply
+    rounds the others decide without it (RoundSuperseded)."""
 
     def __init__(
         self,
@@ -121,8 +127,10 @@ class RoundExchange:
         quorum: int = 0,
         cancelled: Callable[[], bool] = lambda: False,
         max_late_rounds: int = 1,
+        superseded: Callable[[], str | None] = lambda: None,
     ) -> None:
         self.store, self.codec, self.replica = store, codec, replica
+        self.superseded = superseded
         self.late = LateWindow(max_late_rounds, replica)
         self._kept: dict[tuple[int, int], _Gathered] = {}
         """(fragment, round) -> a recent round's reads but its set's (never read again): the late window
@@ -368,6 +376,7 @@ class RoundExchange:
         settled: tuple[Decision, dict[int, str]] | None = None
         listed_at = -math.inf
         answered_at = started  # the store's last answer to a LIST of the round
+        checked_at = started
         while not self.cancelled():
             live = self.reader.slots()
             if me not in g.found:
@@ -394,6 +403,10 @@ class RoundExchange:
                     want = max(want, settled[0].settles_at_s + 0.05)
             if want is None and now - answered_at > self.cut_off_s:
                 break  # cut off from the store: nothing this replica applies is the consensus anyway
+            if want is None and now - checked_at >= max(self.timeout_s, SUPERSEDED_CHECK_S):
+                checked_at = now
+                if (why := self.superseded()) is not None:
+                    raise RoundSuperseded(why)
             if want is None and now - said_at >= QUORUM_WAIT * max(self.timeout_s, 1.0):
                 said_at = now
                 log.warning(
@@ -419,6 +432,8 @@ class RoundExchange:
             backoff.wait(wake if wake > time.monotonic() else math.inf)  # past it: the next LIST after a poll
         if settled is not None and not settled[0].final:
             settled = None  # below quorum to the end, or the worker stopped while we waited
+        if settled is not None and (why := self.superseded()) is not None:
+            raise RoundSuperseded(why)  # decided, but no longer ours to apply: a newer epoch left us out
         on_time = {} if settled is None else {r: g.valid[settled[1][r]] for r in sorted(settled[0].members)}
         report_round(self, fid, on_time, settled, g.bad, ours, expected, started)
         if settled is None:

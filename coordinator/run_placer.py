@@ -219,7 +219,10 @@ class RunPlacer:
             run.epoch,
         )
         run.assignments = {p: a for p, a in run.assignments.items() if p in new_pl.slots.values()}
-        self.publisher.assign(run, adverts, set(new_pl.slots), resume_replicas=rebuilt)
+        # a replica still dropped out keeps its old assignments: issued its slots again at this epoch, its
+        # nodes (idle once left out) would start them afresh, training where nobody counts them
+        going_on = {slot for slot in new_pl.slots if slot[0] not in run.dropped}
+        self.publisher.assign(run, adverts, going_on, resume_replicas=rebuilt)
         return True
 
 

@@ -55,6 +55,8 @@ VERSION = "0.1.0"
 ADVERT_ERROR_CHARS = 500  # the reason a failed assignment is advertised with, cut to keep adverts small
 ENDED = ("stopping", "stopped", "done", "failed")
 """Run states in which no node takes the run's work, or keeps doing it."""
+LEFT_OUT_TTL_S = 2.0
+"""How long a `left_out` verdict is reused: the fragments and layer groups of one round ask within it."""
 ARCHIVE_READS = 4
 """Newer assignment archives read at most to judge one assignment: junk a store writer planted under
 archive names costs a few GETs and supersedes nothing (only what a trusted key signed counts)."""
@@ -125,6 +127,8 @@ class AssignmentSource:
         self.last_ignored: dict | None = None
         """The last assignment found not current and why, for /status."""
         self._older_said: set[tuple[int, int, float]] = set()
+        self._verdicts: dict[tuple[str, int, int, int, int], tuple[float, str | None]] = {}
+        """(run, term, epoch, replica, stage) -> (when judged, `left_out`'s verdict)."""
 
     def say_older(self, found: list[Assignment], held: Assignment) -> None:
         """Log, once each, the assignments of the held one's run older than it: e.g. what a deposed
@@ -251,29 +255,41 @@ class AssignmentSource:
         its term at a newer epoch (signed as `newer_in_archive` counts) gives this node no slot, or another
         one (its replica dropped out, its slot went to another node). None: that archive keeps the slot
         (only other replicas' signers changed: the DHT brings the new assignment), no newer archive is
-        there, or the store did not answer (asked again next round). Costs one LIST, and a GET per newer
-        archive: the round owner asks once per round, before it applies one."""
+        there, or it could not be read now (asked again at the next round: a store outage or junk under an
+        archive name stops nobody). Costs one LIST, and a GET per newer archive; the round owner asks
+        before it applies each round's fragment, so a verdict is reused for LEFT_OUT_TTL_S."""
+        key = (a.run_id, a.term, a.epoch, a.replica, a.stage)
+        now = time.monotonic()
+        cached = self._verdicts.get(key)
+        if cached is not None and now - cached[0] < LEFT_OUT_TTL_S:
+            return cached[1]
         try:
-            newer = self._newer_archive(a)
-        except StoreError as e:
+            newer = self._newer_archive(a, judge_all=True)
+        except Exception as e:  # advisory: a check that cannot be made must not end a healthy worker
             log.info("run %s: cannot read its assignment archives now: %s", a.run_id, e)
             return None
-        if not newer:
-            return None
-        epoch = max((b.term, b.epoch) for b in newer)
-        mine = [b for b in newer if (b.term, b.epoch) == epoch and b.peer_id == self.peer_id]
-        if any((b.replica, b.stage) == (a.replica, a.stage) for b in mine):
-            return None
-        where = "another slot" if mine else "no slot"
-        return (
-            f"left out of run {a.run_id} replica {a.replica} stage {a.stage}: term {epoch[0]} epoch "
-            f"{epoch[1]} gives this node {where} (its replica dropped out, or its slot went to another "
-            "node); the rounds of its slot are no longer this node's to apply"
-        )
+        why = None
+        if newer:
+            epoch = max((b.term, b.epoch) for b in newer)
+            mine = [b for b in newer if (b.term, b.epoch) == epoch and b.peer_id == self.peer_id]
+            if not any((b.replica, b.stage) == (a.replica, a.stage) for b in mine):
+                why = (
+                    f"left out of run {a.run_id} replica {a.replica} stage {a.stage}: term {epoch[0]} epoch "
+                    f"{epoch[1]} gives this node {'another slot' if mine else 'no slot'} (its replica dropped "
+                    "out, or its slot went to another node); the rounds of its slot are no longer this "
+                    "node's to apply"
+                )
+        if len(self._verdicts) >= MAX_JUDGED:
+            self._verdicts.clear()
+        self._verdicts[key] = (now, why)
+        return why
 
-    def _newer_archive(self, a: Assignment) -> list[Assignment]:
+    def _newer_archive(self, a: Assignment, judge_all: bool = False) -> list[Assignment]:
         """The assignments of `a`'s run in the newest archive of `a`'s term at a newer epoch that holds
-        any signed by that term's leader (any trusted key while none is proven); [] when none does."""
+        any signed by that term's leader (any trusted key while none is proven) and whose newest is its
+        name's (term, epoch) (an older archive copied under a newer name says nothing); [] when none does.
+        judge_all: a newer archive the store would not give raises StoreError instead of being passed
+        over (the verdict would rest on an older one)."""
         leader = self._leaders.get((a.run_id, a.term))
         newer = sorted(
             (slot, key)
@@ -282,7 +298,7 @@ class AssignmentSource:
             and slot[0] == a.term
             and slot[1] > a.epoch
         )
-        for _, key in reversed(newer[-ARCHIVE_READS:]):
+        for slot, key in reversed(newer[-ARCHIVE_READS:]):
             try:
                 blob = self.store.get(key, max_bytes=MAX_ARCHIVE_BYTES)
                 if blob is None:
@@ -294,10 +310,15 @@ class AssignmentSource:
                     and (b.body.term, b.body.epoch) > (a.term, a.epoch)
                     and leader in (None, b.signer)
                 ]
-            except (StoreError, ProtocolError, ValueError) as e:  # ValueError: a bad signature
+            except StoreError as e:
+                if judge_all:
+                    raise
                 log.info("run %s: ignoring assignment archive %s: %s", a.run_id, key, e)
                 continue
-            if found:
+            except (ProtocolError, ValueError) as e:  # ValueError: a bad signature
+                log.info("run %s: ignoring assignment archive %s: %s", a.run_id, key, e)
+                continue
+            if found and max((b.term, b.epoch) for b in found) == slot:
                 return found
         return []
 
@@ -615,7 +636,9 @@ class NodeDaemon:
                         a.run_id,
                         a.replica,
                         a.stage,
-                        self._stop_reason or self.notice.reason() or self._left_out() or "the run ended",
+                        self._stop_reason
+                        or self.notice.reason()
+                        or "the run ended, or a newer epoch left it out",
                     )
                 else:
                     self._worker_failed(a, str(e))

@@ -364,6 +364,7 @@ class StageWorker:
                 m.group_sha256 = group_digests(self.spec, st.module.state_dict())
                 self._report()
         except RoundSuperseded as e:  # a newer epoch left us out: stop where we are, apply nothing more
+            self._aborted.set()  # the other fragments' rounds in flight give up too, applying nothing
             result = str(e)
         finally:
             self._close_links()

@@ -86,8 +86,9 @@ def test_bench_quality_mixed_batch_arm_weighs_by_tokens() -> None:
     """The mixed arm (issue 22 acceptance 4a): the last half of the replicas at twice the batch, and the
     aggregate's weights are the tokens each trained in the round (H x batch x seq_len)."""
     out = run_bench(
-        "scripts.bench_quality", "--quick", "--arms", "mixed_tokens", "--d-model", "64", "--batch", "4"
-    )
+        "scripts.bench_quality", "--replicas", "2", "--steps", "40", "--H", "10", "--warmup", "10",
+        "--eval-batches", "4", "--arms", "mixed_tokens", "--d-model", "64", "--batch", "4", "--threads", "1",
+    )  # fmt: skip
     H, seq = out["H"], out["seq_len"]
     assert out["round_tokens"]["mixed_tokens"] == {"0": H * 4 * seq, "1": H * 8 * seq}
     assert out["val_bpb"]["mixed_tokens"] is not None and out["missing"] == out["rejected"] == 0

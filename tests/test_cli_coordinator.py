@@ -694,3 +694,69 @@ def test_adverts_are_aged_from_when_the_tick_read_them(home: Path, dht: Any, mot
     partial = {p: a for p, a in coord.adverts().items() if p != nodes[(0, 0)].peer_id}
     coord.watch.watch(run, partial, dht_time())
     assert not run.dropped_out(), run.missing_since
+
+
+def test_a_rebuild_leaves_a_dropped_replica_s_slots_alone(home: Path, moto_store: str) -> None:
+    """Replica 1 dropped out (a node gone, none free; back now, waiting out its rejoin); then replica 0
+    loses a node and is rebuilt. The new epoch's assignments are issued to replica 0's slots only: replica
+    1's nodes keep their old ones (a newer epoch leaves them out, node/daemon.py
+    `AssignmentSource.left_out`), where issuing their slots again at the new epoch had them start those
+    slots afresh from their old start step, a replica nobody counts. Its own DHT: idle nodes that other
+    tests advertised would fill replica 1."""
+    from protocol.identity import Identity
+    from protocol.net.dht_client import DHTClient
+    from protocol.net.store import ObjectStore, StoreConfig
+    from protocol.runspec import ModelSpec, RunSpec
+
+    store = ObjectStore(StoreConfig(endpoint_url=moto_store, bucket="crucible"))
+    store.ensure_bucket()
+    operator = _operator(home)
+    spec = RunSpec(
+        run_id="rebuild-2x2", replicas=2, stages=2, model=ModelSpec(d_model=32, n_layers=2, n_heads=2)
+    )
+    dht = DHTClient(Identity.generate())
+    try:
+        _rebuild_with_one_replica_out(dht, store, operator, spec)
+    finally:
+        dht.shutdown()
+
+
+def _rebuild_with_one_replica_out(dht: Any, store: Any, operator: Any, spec: Any) -> None:
+    from coordinator.service import Coordinator
+    from protocol import keys
+    from protocol.identity import Identity
+    from protocol.trust.assignment_archive import decode_archive
+    from protocol.trust.delegation import OperatorTrust
+
+    nodes = _taken_over_run(dht, store, operator, spec)
+    for (r, s), n in nodes.items():
+        if (r, s) != (1, 1):
+            _advertise(dht, n, (r, s), spec, state="failed" if r else "training",
+                       error="the link to stage 1 closed" if r else "")  # fmt: skip
+    coord = Coordinator(operator, dht, store)
+    for _ in range(4):
+        coord.tick()
+    run = coord.runs[spec.run_id]
+    assert run.dropped == {1}, (run.dropped, run.record.reason)
+    dropped_at = run.epoch
+    # its lost node comes back idle: replica 1 waits out its rejoin (nothing of it to rebuild now)
+    _advertise(
+        dht, nodes[(1, 1)], (1, 1), spec, run_id="", replica=-1, stage=-1, epoch=0, state="idle", step=0
+    )
+    coord.tick()
+    assert run.dropped == {1} and run.epoch == dropped_at
+    fresh = Identity.generate()
+    _advertise(dht, fresh, (0, 1), spec, run_id="", replica=-1, stage=-1, epoch=0, state="idle", step=0)
+    _advertise(
+        dht, nodes[(0, 1)], (0, 1), spec, epoch=run.epoch, state="failed", error="CUDA error: device lost"
+    )
+    coord.tick()
+    run.missing_since[nodes[(0, 1)].peer_id] -= 10 * coord.watch.churn_grace_s  # as if its grace were over
+    coord.tick()
+    assert run.epoch == dropped_at + 1 and run.dropped == {1}, (run.epoch, run.dropped)
+    blob = store.get(keys.assign_key(spec.run_id, run.lease.lease.term, run.epoch))
+    assert blob is not None
+    archived = decode_archive(blob, OperatorTrust.of({operator.public_key}), as_issued=True)
+    epochs = {(a.replica, a.stage): a.epoch for a in archived}
+    assert epochs[(0, 0)] == epochs[(0, 1)] == run.epoch, epochs
+    assert epochs[(1, 0)] < run.epoch and epochs[(1, 1)] < run.epoch, epochs  # left as they were

@@ -150,12 +150,13 @@ def test_an_assignment_superseded_by_a_newer_epoch_or_of_an_ended_run_is_not_cur
 
 
 def test_a_node_training_on_is_told_when_a_newer_epoch_leaves_it_out(
-    dht: DHTClient, store: ObjectStore
+    dht: DHTClient, store: ObjectStore, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     """`AssignmentSource.left_out`, which the round owner asks before it applies a round: replica 1's node,
     training on under epoch 1 after its replica dropped out at epoch 2, is left out; a survivor whose epoch 2
     keeps its slot (only the signers changed) is not, nor is the node once epoch 3 rebuilds its replica with
-    it; a forged newer archive leaves nobody out."""
+    it; a forged newer archive, or an older one copied under a newer name, leaves nobody out."""
+    monkeypatch.setattr("node.daemon.LEFT_OUT_TTL_S", 0.0)  # each call reads the archives afresh
     run = Run(dht, store, Identity.generate())
     held = run.replica_1_drops_out()
     src = source(run)
@@ -170,6 +171,12 @@ def test_a_node_training_on_is_told_when_a_newer_epoch_leaves_it_out(
     run.peers[(1, 0)] = run.node.peer_id
     run.archive(1, 4, [run.assignment(r, s, term=1, epoch=4, listed=(0, 1)) for r, s in run.peers])
     assert "gives this node another slot" in (src.left_out(held) or "")
+    # epoch 5 gives it its slot back; epoch 2's archive copied under epoch 6's name says nothing
+    run.peers[(1, 0)], run.peers[(1, 1)] = run.peers[(1, 1)], run.node.peer_id
+    run.archive(1, 5, [run.assignment(r, s, term=1, epoch=5, listed=(0, 1)) for r, s in run.peers])
+    assert src.left_out(held) is None
+    store.put(keys.assign_key(run.rid, 1, 6), store.get(keys.assign_key(run.rid, 1, 2)) or b"")
+    assert src.left_out(held) is None
     # a forged archive at a newer epoch (a stranger's signature) says nothing
     again = Run(dht, store, Identity.generate())
     again.state("running")

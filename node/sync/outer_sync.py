@@ -215,7 +215,7 @@ class OuterSync:
             )
             for g in sorted(self.groups)
         }
-        self._cancelled = cancelled
+        self._cancelled, self._superseded = cancelled, superseded
         self._signers = {g: dict((group_peers or {}).get(g, stage_peers)) for g in self.groups}
         self._former = {
             g: dict((former_group_peers or {}).get(g, former_stage_peers) or {}) for g in self.groups
@@ -371,6 +371,7 @@ class OuterSync:
                 quorum=1,
                 cancelled=lambda: self._cancelled(),
                 max_late_rounds=0,
+                superseded=self._superseded,  # a left-out node applies no pair exchange either
             )
 
         confine = self.confine

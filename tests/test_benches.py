@@ -49,11 +49,8 @@ def test_sweep_quality_runs_bench_quality_per_seed_and_arm(tmp_path) -> None:  #
         "--out",
         str(tmp_path),
         "--",
-        "--quick",
-        "--d-model",
-        "64",
-        "--batch",
-        "4",
+        *("--replicas", "2", "--steps", "60", "--H", "10", "--warmup", "10", "--eval-batches", "8"),
+        *("--d-model", "64", "--batch", "4", "--threads", "1"),
     )
     assert out["failed"] == []
     assert set(out["val_bpb"]["1"]) == {"adamw", "sparseloco"}

@@ -242,14 +242,10 @@ class StageWorker:
         """device: where the stage trains (default CPU); compile: torch.compile the stage on CUDA;
         node_shaper: the node's emulated link (--emulate-mbps), applied to its links' sends; operator: who
         signs the run's assignments (a resuming first stage reads the later stages' signers from them);
-        left_out: why this node no longer holds its slot (None: it does), asked before each round is
-        applied: a worker left out stops there, applying and checkpointing nothing more."""
-        self.left_out = left_out
-        self.node_shaper = node_shaper or Shaper()
-        self.device = device or torch.device("cpu")
-        self.compile = compile
-        self.a = assignment
-        self.spec = assignment.spec
+        left_out: why this node no longer holds its slot (None: it does; asked before a round is applied)."""
+        self.node_shaper, self.left_out = node_shaper or Shaper(), left_out
+        self.device, self.compile = device or torch.device("cpu"), compile
+        self.a, self.spec = assignment, assignment.spec
         self.identity, self.store, self.acceptor = identity, store, acceptor
         self.data = data
         self._token_bytes: torch.Tensor | None = None  # last stage under a tokenizer: bits per byte
@@ -363,8 +359,8 @@ class StageWorker:
                 m.weights_sha256 = weights_digest(st.module)
                 m.group_sha256 = group_digests(self.spec, st.module.state_dict())
                 self._report()
-        except RoundSuperseded as e:  # a newer epoch left us out: stop where we are, apply nothing more
-            self._aborted.set()  # the other fragments' rounds in flight give up too, applying nothing
+        except RoundSuperseded as e:  # a newer epoch left us out: stop, and so do the rounds in flight
+            self._aborted.set()
             result = str(e)
         finally:
             self._close_links()

@@ -100,16 +100,23 @@ class _Backoff:
         self.delay_s = min(2 * self.delay_s, self.cap_s)
 
 
+def stop_if_superseded(superseded: Callable[[], str | None], now: float) -> float:
+    """Raise RoundSuperseded when `superseded` says why this node no longer holds its slot; asked once a
+    round's set is final, before it is applied, and every SUPERSEDED_CHECK_S (at least timeout_s) while
+    below quorum: a replica dropped out while alive must not apply rounds the others decide without it.
+    Returns `now` (when it was asked)."""
+    if (why := superseded()) is not None:
+        raise RoundSuperseded(why)
+    return now
+
+
 class RoundExchange:
     """One stage's round agreement over the store, for one replica (`run` on the outer loop's I/O thread):
     the store all-to-all of node/sync/exchange.py's `Exchange`. Its `reader` knows who may sign each
     replica's slot and lists the round; bytes, rejections and misses are counted in the outer loop's
     `stats` (under `lock`). quorum: the q of node/sync/round_rule.py (0: a majority of the live slots).
     cancelled: the worker is stopping: a round still waiting gives up and applies nothing. max_late_rounds:
-    the k of node/sync/late_window.py (earlier rounds' late fragments a round commits). superseded: why this
-    node no longer holds its slot (None: it does), asked once a round's set is final, before it is applied,
-    and every SUPERSEDED_CHECK_S while below quorum: a replica dropped out while alive must not apply
-    rounds the others decide without it (RoundSuperseded)."""
+    the k of node/sync/late_window.py. superseded: why this node lost its slot (`stop_if_superseded`)."""
 
     def __init__(
         self,
@@ -130,11 +137,9 @@ class RoundExchange:
         superseded: Callable[[], str | None] = lambda: None,
     ) -> None:
         self.store, self.codec, self.replica = store, codec, replica
-        self.superseded = superseded
         self.late = LateWindow(max_late_rounds, replica)
-        self._kept: dict[tuple[int, int], _Gathered] = {}
-        """(fragment, round) -> a recent round's reads but its set's (never read again): the late window
-        reads those rounds without GETting or rejecting a key twice."""
+        self._kept: dict[tuple[int, int], _Gathered] = {}  # (fragment, round) -> a recent round's reads but
+        # its set's: the late window reads those rounds without GETting or rejecting a key twice
         self.reader = RoundReader(
             store,
             replica=replica,
@@ -144,7 +149,7 @@ class RoundExchange:
             max_bytes=codec.max_fragment_bytes,
         )
         self.timeout_s, self.poll_s, self.poll_max_s = timeout_s, poll_s, poll_max_s
-        self.quorum, self.cancelled = quorum, cancelled
+        self.quorum, self.cancelled, self.superseded = quorum, cancelled, superseded
         self.stats, self.lock = stats, lock
 
     def put_once(self, key: str, data: bytes) -> tuple[bool | None, bytes | None]:
@@ -404,9 +409,7 @@ class RoundExchange:
             if want is None and now - answered_at > self.cut_off_s:
                 break  # cut off from the store: nothing this replica applies is the consensus anyway
             if want is None and now - checked_at >= max(self.timeout_s, SUPERSEDED_CHECK_S):
-                checked_at = now
-                if (why := self.superseded()) is not None:
-                    raise RoundSuperseded(why)
+                checked_at = stop_if_superseded(self.superseded, now)
             if want is None and now - said_at >= QUORUM_WAIT * max(self.timeout_s, 1.0):
                 said_at = now
                 log.warning(
@@ -432,8 +435,8 @@ class RoundExchange:
             backoff.wait(wake if wake > time.monotonic() else math.inf)  # past it: the next LIST after a poll
         if settled is not None and not settled[0].final:
             settled = None  # below quorum to the end, or the worker stopped while we waited
-        if settled is not None and (why := self.superseded()) is not None:
-            raise RoundSuperseded(why)  # decided, but no longer ours to apply: a newer epoch left us out
+        if settled is not None:  # decided, but ours to apply only if no newer epoch left us out
+            stop_if_superseded(self.superseded, time.monotonic())
         on_time = {} if settled is None else {r: g.valid[settled[1][r]] for r in sorted(settled[0].members)}
         report_round(self, fid, on_time, settled, g.bad, ours, expected, started)
         if settled is None:

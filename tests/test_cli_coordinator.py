@@ -546,6 +546,14 @@ def _advertise(dht: Any, node: Any, slot: tuple[int, int], spec: Any, **fields: 
     assert dht.publish(keys.NODES_KEY, NodeAdvert(**{**base, **fields}), 60, signer=node)
 
 
+def _replica_1_loses_its_last_stage(dht: Any, nodes: dict[tuple[int, int], Any], spec: Any) -> None:
+    """Replica 0 trains; replica 1's last stage is gone (no advert), its first reports the broken link."""
+    for (r, s), n in nodes.items():
+        if (r, s) != (1, 1):
+            _advertise(dht, n, (r, s), spec, state="failed" if r else "training",
+                       error="the link to stage 1 closed" if r else "")  # fmt: skip
+
+
 def test_a_replica_that_dropped_out_is_shown_as_such(
     home: Path,
     dht: Any,
@@ -578,11 +586,7 @@ def test_a_replica_that_dropped_out_is_shown_as_such(
         shapes=[ReplicaShape(replicas=[1], microbatches=8)],  # replica 1 at twice the batch (issue 22)
     )
     nodes = _taken_over_run(dht, store, operator, spec)
-    # replica 0 trains; replica 1's last stage is gone, its first reports the broken link
-    for (r, s), n in nodes.items():
-        if (r, s) != (1, 1):
-            _advertise(dht, n, (r, s), spec, state="failed" if r else "training",
-                       error="the link to stage 1 closed" if r else "")  # fmt: skip
+    _replica_1_loses_its_last_stage(dht, nodes, spec)
     coord = Coordinator(operator, dht, store)
     t0 = time.time() - 130  # two minutes of history before the takeover, for the plots' axes
     for i in range(128):
@@ -729,10 +733,7 @@ def _rebuild_with_one_replica_out(dht: Any, store: Any, operator: Any, spec: Any
     from protocol.trust.delegation import OperatorTrust
 
     nodes = _taken_over_run(dht, store, operator, spec)
-    for (r, s), n in nodes.items():
-        if (r, s) != (1, 1):
-            _advertise(dht, n, (r, s), spec, state="failed" if r else "training",
-                       error="the link to stage 1 closed" if r else "")  # fmt: skip
+    _replica_1_loses_its_last_stage(dht, nodes, spec)
     coord = Coordinator(operator, dht, store)
     for _ in range(4):
         coord.tick()

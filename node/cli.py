@@ -33,7 +33,7 @@ from protocol.process.cli_errors import (
     run_cli,
 )
 from protocol.process.logs import setup_logging, version
-from protocol.process.settings import Setting, SettingValues, add_flags
+from protocol.process.settings import Setting, SettingValues, add_flags, in_range
 from protocol.process.signals import install_stop_signals
 
 log = logging.getLogger("crucible.node")
@@ -42,10 +42,29 @@ BOOTSTRAP_KEY = "~/.crucible/bootstrap.key"
 """The bootstrap peer's default identity: its own, so a bootstrap peer and a node can share a host."""
 EXAMPLE_FILE = "docs/examples/node.toml"
 _NODE = {s.key: s for s in SETTINGS if s.section == "node"}
+RELAY_PORT = Setting(
+    key="relay_port",
+    default=-1,
+    help="also serve as the swarm's relay on this TCP port (0: any free port): nodes nobody can dial are reached "
+    "through it (`join --relay` takes the address it prints); it forwards their pipeline bytes",
+    example=31338,
+    shown="-1: no relay",
+    check=in_range(-1, 65535, problem="must be -1 (no relay) or a TCP port 0-65535"),
+)
+RELAY_LIMIT_MB = Setting(
+    key="relay_limit_mb",
+    default=0,
+    help="the relay resets a relayed connection after this many MiB in one direction; relayed links resume "
+    "on a new one (tests set it to cut links on purpose)",
+    shown="0: p2pd's own limit",
+    check=in_range(0, 1 << 20, problem="must be 0 (p2pd's limit) to 1048576 MiB"),
+)
 BOOTSTRAP_SETTINGS: tuple[Setting, ...] = (
     replace(_NODE["key_file"], default=BOOTSTRAP_KEY, help="identity seed file, created if missing"),
     _NODE["host"],
     _NODE["dht_port"],
+    RELAY_PORT,
+    RELAY_LIMIT_MB,
     _NODE["log_level"],
     _NODE["log_format"],
 )
@@ -220,8 +239,16 @@ def cmd_bootstrap(args: argparse.Namespace) -> int:
     _install_signals(stop.set)
     for addr in dht.visible_maddrs():
         print(f"BOOTSTRAP {addr}", flush=True)
+    relay = None
+    if st.get("", "relay_port") >= 0:
+        from node.pipeline.fallback import Relay
+
+        relay = Relay(host, st.get("", "relay_port"), data_limit=st.get("", "relay_limit_mb") << 20)
+        print(f"RELAY {relay.address}", flush=True)
     print(f"crucible-node bootstrap peer ready: peer_id={dht.peer_id} (Ctrl-C to stop)", flush=True)
     stop.wait()
+    if relay is not None:
+        relay.close()
     dht.shutdown()
     if key_lock is not None:
         key_lock.close()

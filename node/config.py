@@ -21,6 +21,7 @@ from protocol.process.settings import (
     a_folder,
     check_fields,
     in_range,
+    multiaddr,
     not_empty,
     one_of,
     optional,
@@ -77,6 +78,28 @@ class NodeConfig:
     )
     port: int = setting(
         0, _fixed_port("pipeline TCP port"), example=31400, shown="0: any free port", check=tcp_port
+    )
+    relay: str = setting(
+        "",
+        "multiaddr of a relay (`crucible-node bootstrap --relay-port` prints it): when no peer can dial this "
+        "node's pipeline port, its upstream neighbour reaches it through the relay instead (a libp2p stream)",
+        example="/ip4/203.0.113.7/tcp/31338/p2p/12D3KooWDpJ7As7BWAwRMfu1VU2WCqNjvq387JEYKDBj4kx6nXTN",
+        metavar="MULTIADDR",
+        shown="none: direct links only",
+        check=optional(multiaddr),
+    )
+    use_relay: bool = setting(
+        True,
+        "stay direct-only: neither dial nor serve relayed pipeline links, even with --relay",
+        example=False,
+        flag="--no-relay",
+    )
+    reachability_peers: int = setting(
+        5,
+        "peers asked at join to dial this node's pipeline port back (reachable when half of those that answer "
+        "succeed; 0: do not check, assume reachable)",
+        flag=None,
+        check=in_range(0, 16),
     )
     dht_port: int = setting(
         0, _fixed_port("DHT (libp2p) TCP port"), example=31337, shown="0: any free port", check=tcp_port

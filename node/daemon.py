@@ -26,6 +26,7 @@ from node.health import HealthServer
 from node.metrics import NodeMetrics, node_families
 from node.pipeline.acceptor import Acceptor
 from node.pipeline.link_prober import LinkProber
+from node.pipeline.reachability import Reachability, socket_for
 from node.pipeline.transport import LinkError, Shaper, listen
 from node.preemption import Notice
 from node.preflight import refuse_if_taken, refuse_live_twin
@@ -429,22 +430,14 @@ class NodeDaemon:
                 refuse_if_taken(e, "--dht-port", cfg.host, cfg.dht_port)
                 raise
             undo.callback(self.dht.shutdown)
+            self.reach = Reachability(cfg, identity, self.dht, self.acceptor)  # and the relayed fallback
+            undo.callback(self.reach.close)
             refuse_live_twin(self.dht, self.peer_id)  # before our own health server answers for our id
             if cfg.coordinator_eligible:  # its config is checked here: a wrong one stops this start
                 role = role_config(cfg, cfg.bootstrap or self.dht.visible_maddrs()[:1])
                 log_path = Path(cfg.key_file).expanduser().with_name(f"coordinator-{self.peer_id[-8:]}.log")
                 self.coordinator_role = CoordinatorChild(role, log_path)
-            self.prober = LinkProber(
-                identity,
-                self.dht,
-                self.shaper,
-                every_s=cfg.probe_every_s,
-                peers=cfg.probe_peers,
-                nbytes=cfg.probe_bytes,
-                busy=lambda: self.metrics.state in ("assigned", "training"),
-                measured=self._advert_wake.set,
-                stop=self.stop_event,
-            )
+            self.prober = link_prober(self)
             self.source = AssignmentSource(self.peer_id, self.dht, self.store, self.trust, self.refusals)
             log.info("node trains on %s", describe(self.device))  # past the checks that refuse a start
             try:
@@ -461,6 +454,8 @@ class NodeDaemon:
             self.ref_block, self.ref_block_s = measure_reference_block(self.device, self.default_precision)
             self.store_mbps = measure_store_mbps(self.store)
             self._advert_thread = threading.Thread(target=self._advert_loop, name="advert", daemon=True)
+            self.reach.check()  # the first advert says whether neighbours can dial this node
+            self.reach.start(changed=self._advert_wake.set)
             try:  # advertised before "ready": a second process with this peer id started now finds it
                 self.dht.publish(keys.NODES_KEY, self.advert(), cfg.advert_ttl_s)
             except Exception as e:  # the advert loop retries
@@ -520,6 +515,9 @@ class NodeDaemon:
             host=self.cfg.announce_host or self.cfg.host,
             port=self.cfg.announce_port or self.acceptor.port,
             health_port=self.health.port,
+            reachable=self.reach.reachable is not False,
+            relay_addr=self.reach.relay_addr,
+            link_transport={p: t for p, t in m.link_transport.items() if m.state in ("assigned", "training")},
             store_mbps=round(self.store_mbps, 1),
             coordinator_eligible=self.cfg.coordinator_eligible,
             peer_mbps={p: round(m.mbps, 1) for p, m in self.prober.advertised()},
@@ -615,6 +613,7 @@ class NodeDaemon:
             node_shaper=self.shaper,
             operator=self.trust,
             left_out=self._left_out,
+            fallback=self.reach.fallback,
         )
 
         def run() -> None:
@@ -755,9 +754,27 @@ class NodeDaemon:
         self._stop_worker("node shutting down", timeout_s=30)
         self.acceptor.close()
         self.health.close()
+        self.reach.close()
         self.dht.shutdown()
         if self._device_claim is not None:
             self._device_claim.close()
+
+
+def link_prober(d: NodeDaemon) -> LinkProber:
+    """Measures links while the node is idle; a peer nobody can dial is measured through the relay."""
+    cfg = d.cfg
+    return LinkProber(
+        d.identity,
+        d.dht,
+        d.shaper,
+        every_s=cfg.probe_every_s,
+        peers=cfg.probe_peers,
+        nbytes=cfg.probe_bytes,
+        busy=lambda: d.metrics.state in ("assigned", "training"),
+        measured=d._advert_wake.set,
+        stop=d.stop_event,
+        relayed=lambda advert: socket_for(d.reach.fallback, advert),
+    )
 
 
 def node_status(d: NodeDaemon) -> dict:
@@ -779,6 +796,7 @@ def node_status(d: NodeDaemon) -> dict:
         "coordinator_role": None
         if d.coordinator_role is None
         else {"pid": d.coordinator_role.pid, "restarts": d.coordinator_role.restarts},
+        "reachability": d.reach.status(),
         "links": {
             p: {"mbps": round(m.mbps, 1), "rtt_ms": round(m.rtt_ms, 2)} for p, m in d.prober.advertised()
         },

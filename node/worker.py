@@ -9,6 +9,7 @@ from __future__ import annotations
 import hashlib
 import logging
 import math
+import socket
 import threading
 import time
 from collections.abc import Callable
@@ -29,9 +30,12 @@ from node.inner_step import (
 )
 from node.model import Stage, build_stage
 from node.pipeline.acceptor import Acceptor
+from node.pipeline.dial import LinkRoute, open_downstream, route_of
+from node.pipeline.fallback import Fallback
 from node.pipeline.hello_proof import find_sealed
+from node.pipeline.relay_bridge import BridgeSession
 from node.pipeline.schedule import PipelineStage, StepStats
-from node.pipeline.transport import Link, Shaper, connect
+from node.pipeline.transport import Link, Shaper
 from node.subspace_model import boundary_codecs, confinement, constrain_stage, project_weights_
 from node.sync.exchange import applied_history
 from node.sync.expert_bias import Balancer, Signers, stage_balancer
@@ -41,10 +45,8 @@ from node.sync.sparseloco_sync import make_sync_parts
 from node.sync.stage_checkpoints import StageCheckpoints
 from protocol import keys
 from protocol.checkpoint import Checkpoint
-from protocol.envelope import seal
-from protocol.framing import encode_frame
 from protocol.identity import Identity
-from protocol.messages import Assignment, Hello
+from protocol.messages import Assignment
 from protocol.net.store import ObjectStore, StoreError
 from protocol.runspec import RunSpec
 from protocol.trust.delegation import OperatorTrust
@@ -78,6 +80,12 @@ class WorkerMetrics:
     bytes_pipe_recv: int = 0
     link_bytes: dict[str, list[int]] = field(default_factory=dict)
     """Pipeline bytes [sent, received] by neighbour peer id."""
+    link_transport: dict[str, str] = field(default_factory=dict)
+    """By neighbour peer id: "direct" (TCP) or "relayed" (a libp2p stream through the relay)."""
+    link_address: dict[str, str] = field(default_factory=dict)
+    """By neighbour peer id: host:port, or the relayed stream's /p2p-circuit multiaddr."""
+    link_resumes: int = 0
+    """Times a relayed link's stream was reset (a relay's limit) and resumed on a new one."""
     bytes_store_up: int = 0
     bytes_store_down: int = 0
     pipe_wait_s: float = 0.0
@@ -238,12 +246,15 @@ class StageWorker:
         node_shaper: Shaper | None = None,
         operator: OperatorTrust | None = None,
         left_out: Callable[[], str | None] = lambda: None,
+        fallback: Fallback | None = None,
     ) -> None:
         """device: where the stage trains (default CPU); compile: torch.compile the stage on CUDA;
         node_shaper: the node's emulated link (--emulate-mbps), applied to its links' sends; operator: who
         signs the run's assignments (a resuming first stage reads the later stages' signers from them);
-        left_out: why this node no longer holds its slot (None: it does; asked before a round is applied)."""
-        self.node_shaper, self.left_out = node_shaper or Shaper(), left_out
+        left_out: why this node no longer holds its slot (None: it does; asked before a round is applied);
+        fallback: this node's relayed links (node/pipeline/fallback.py), None: direct only."""
+        self.node_shaper, self.left_out, self.fallback = node_shaper or Shaper(), left_out, fallback
+        self._sessions: list[BridgeSession] = []  # relayed links' sessions: their resumes are counted
         self.device, self.compile = device or torch.device("cpu"), compile
         self.a, self.spec = assignment, assignment.spec
         self.identity, self.store, self.acceptor = identity, store, acceptor
@@ -286,31 +297,23 @@ class StageWorker:
                 term=a.term,
                 epoch=a.epoch,
             )
-            self.prev = Link(sock, f"{a.prev.peer_id[-8:]} (stage {a.stage - 1})", shaper=self._shaper())
+            self.prev = self._link(sock, a.prev.peer_id, a.stage - 1, route_of(sock, self.fallback))
             start = hello.start_step
         elif start < 0:  # the first stage picks the round its replica resumes from
             self._resume = self.checkpoints.latest()
             start = self._resume.step if self._resume is not None else 0
         if a.next is not None:
             proof = find_sealed(self.store, a)  # our signed assignment: the next node holds only neighbours
-            sock = connect(
-                a.next.host, a.next.port, timeout_s=self.connect_timeout_s, cancelled=self._cancelled
-            )
-            hello_out = Hello(
-                run_id=a.run_id,
-                term=a.term,
-                epoch=a.epoch,
-                replica=a.replica,
-                stage=a.stage,
-                peer_id=self.identity.peer_id,
-                start_step=start,
-                to_peer_id=a.next.peer_id,  # bound to the recipient and the time: not replayable elsewhere
-                sent_at=time.time(),
-                assignment=proof,
-            )
-            sock.sendall(encode_frame(seal(self.identity, hello_out)))
-            self.next = Link(sock, f"{a.next.peer_id[-8:]} (stage {a.stage + 1})", shaper=self._shaper())
+            args = (a, self.identity, proof, start, self.fallback)
+            sock, route = open_downstream(*args, timeout_s=self.connect_timeout_s, cancelled=self._cancelled)
+            self.next = self._link(sock, a.next.peer_id, a.stage + 1, route)
         return start
+
+    def _link(self, sock: socket.socket, peer: str, stage: int, route: LinkRoute) -> Link:
+        self.m.link_transport[peer], self.m.link_address[peer] = route.transport, route.address
+        if route.session is not None:
+            self._sessions.append(route.session)
+        return Link(sock, f"{peer[-8:]} (stage {stage})", shaper=self._shaper())
 
     def _close_links(self) -> None:
         for link in (self.prev, self.next):
@@ -584,6 +587,7 @@ class StageWorker:
         m = self.m
         m.bytes_pipe_sent = sum(link.bytes_sent for link in (self.prev, self.next) if link)
         m.bytes_pipe_recv = sum(link.bytes_recv for link in (self.prev, self.next) if link)
+        m.link_resumes = sum(s.resumes for s in self._sessions)
         m.link_bytes = {
             ep.peer_id: [link.bytes_sent, link.bytes_recv]
             for ep, link in ((self.a.prev, self.prev), (self.a.next, self.next))

@@ -75,11 +75,15 @@ class Endpoint:
     peer_id: str
     host: str
     port: int
+    relay_addr: str = ""
+    """Set when nobody can dial host:port: where the node is reached through a relay instead
+    (RELAY/p2p-circuit/p2p/PEER, node/pipeline/fallback.py)."""
 
     def __post_init__(self) -> None:
         _check_text("Endpoint.peer_id", self.peer_id, empty_ok=False)
         _check_text("Endpoint.host", self.host, empty_ok=False)
         _check_port("Endpoint.port", self.port)
+        _check_text("Endpoint.relay_addr", self.relay_addr, empty_ok=True)
 
 
 @dataclass(kw_only=True, frozen=True)
@@ -113,6 +117,13 @@ class NodeAdvert:
     port: int
     """Pipeline TCP port."""
     health_port: int
+    reachable: bool = True
+    """Whether peers could dial host:port back at join (node/reachability.py); False: reach it at
+    `relay_addr`, or not at all."""
+    relay_addr: str = ""
+    """Where the node serves relayed pipeline links (RELAY/p2p-circuit/p2p/PEER); empty: it has no relay."""
+    link_transport: dict[str, str] = field(default_factory=dict)
+    """Its current pipeline links' transports by neighbour peer id: "direct" or "relayed"."""
     store_mbps: float = 0.0
     """Measured upload bandwidth to the object store, Mbit/s (0 = not measured yet)."""
     peer_mbps: dict[str, float] = field(default_factory=dict)
@@ -159,8 +170,19 @@ class NodeAdvert:
             raise ValueError(
                 f"NodeAdvert.mail_key={describe(self.mail_key)} must be 64 lowercase hex characters or empty"
             )
-        for name in ("peer_id", "version", "device", "host"):
-            _check_text(f"NodeAdvert.{name}", getattr(self, name), empty_ok=name in ("version", "device"))
+        for name in ("peer_id", "version", "device", "host", "relay_addr"):
+            _check_text(
+                f"NodeAdvert.{name}",
+                getattr(self, name),
+                empty_ok=name in ("version", "device", "relay_addr"),
+            )
+        if len(self.link_transport) > 2 or not set(self.link_transport.values()) <= {"direct", "relayed"}:
+            raise ValueError(
+                f"NodeAdvert.link_transport={describe(self.link_transport)} must name at most 2 links, each "
+                '"direct" or "relayed"'
+            )
+        for peer in self.link_transport:
+            _check_text("NodeAdvert.link_transport key", peer)
         for name in ("memory_gb", "free_memory_gb"):
             check_range(f"NodeAdvert.{name}", getattr(self, name), 0, MAX_MEMORY_GB)
         for name in ("tflops", "tflops_fp32", "tflops_bf16"):
@@ -188,7 +210,9 @@ class NodeAdvert:
 
     @property
     def endpoint(self) -> Endpoint:
-        return Endpoint(peer_id=self.peer_id, host=self.host, port=self.port)
+        """Where neighbours reach it: its relayed address too when it cannot be dialed."""
+        relay = self.relay_addr if not self.reachable else ""
+        return Endpoint(peer_id=self.peer_id, host=self.host, port=self.port, relay_addr=relay)
 
 
 @dataclass(kw_only=True, frozen=True)

@@ -243,10 +243,14 @@ class Swarm:
         device: str = "auto",
         node_args: dict[int, list[str]] | None = None,
         coordinator: bool = True,
+        relay_args: list[str] | None = None,
     ) -> None:
         """node_args: extra `crucible-node join` flags for node i (e.g. an emulated slow link);
-        coordinator: start a standalone coordinator (False: coordinator-eligible nodes lead)."""
+        coordinator: start a standalone coordinator (False: coordinator-eligible nodes lead); relay_args:
+        the bootstrap peer also relays, with these flags (e.g. ["--relay-port", "0"]), and every node
+        is given its address (--relay)."""
         self.node_args = node_args or {}
+        self.relay_args, self.relay = relay_args, ""
         self.with_coordinator = coordinator
         self.dashboard = ""
         """URL of the coordinator's dashboard (its ready line names it)."""
@@ -299,9 +303,18 @@ class Swarm:
 
         boot = self._spawn(
             self._name("bootstrap"),
-            ["-m", "node.cli", "bootstrap", "--key-file", str(self.out / "bootstrap.key")],
+            [
+                "-m",
+                "node.cli",
+                "bootstrap",
+                "--key-file",
+                str(self.out / "bootstrap.key"),
+                *(self.relay_args or []),
+            ],
         )
         self.bootstrap = boot.wait_for(r"BOOTSTRAP (\S+)", ready_timeout_s).group(1)
+        if self.relay_args is not None:
+            self.relay = boot.wait_for(r"RELAY (\S+)", ready_timeout_s).group(1)
         self.operator_key_file = self.out / "operator.key"
         self.operator = Identity.load_or_create(self.operator_key_file)
         if self.with_coordinator:
@@ -355,6 +368,7 @@ class Swarm:
                 f"{LOCAL_ADVERT_TTL_S:g}",
                 "--preempt-notice-s",
                 f"{LOCAL_PREEMPT_NOTICE_S:g}",
+                *(["--relay", self.relay] if self.relay else []),
                 *self.node_args.get(i, []),
             ],
             self.node_env,

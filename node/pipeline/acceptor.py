@@ -105,6 +105,12 @@ class _ReplayWindow:
         self._seen[h] = time.monotonic() + self.keep_s
 
 
+def _check_bounds(**seconds: float) -> None:
+    for name, value in seconds.items():
+        if not value > 0:
+            raise ValueError(f"Acceptor {name}={value!r} must be a positive number of seconds")
+
+
 @dataclass
 class _Handshake:
     """A connection still sending its Hello frame."""
@@ -158,21 +164,15 @@ class Acceptor:
         callers not yet sending addressed hellos). clock: Unix time for `Hello.sent_at` and the assignment
         a hello carries (injectable). trust: the node's rule for assignments; with it only neighbours are
         held (module docstring; None: any validly signed hello is, for tests and callers without one)."""
-        for name, value in (
-            ("hello_timeout_s", hello_timeout_s),
-            ("keep_s", keep_s),
-            ("max_skew_s", max_skew_s),
-            ("backoff_max_s", backoff_max_s),
-        ):
-            if not value > 0:
-                raise ValueError(f"Acceptor {name}={value!r} must be a positive number of seconds")
+        _check_bounds(
+            hello_timeout_s=hello_timeout_s, keep_s=keep_s, max_skew_s=max_skew_s, backoff_max_s=backoff_max_s
+        )
         for name, n in (("max_pending", max_pending), ("max_held", max_held)):
             if n < 1:
                 raise ValueError(f"Acceptor {name}={n!r} must be at least 1")
         if max_pending_bytes < HELLO_MAX_BYTES:
             raise ValueError(
-                f"Acceptor max_pending_bytes={max_pending_bytes!r} must be at least one hello's "
-                f"{HELLO_MAX_BYTES} bytes"
+                f"Acceptor max_pending_bytes={max_pending_bytes!r} must be at least one hello's {HELLO_MAX_BYTES} bytes"
             )
         if trust is not None and peer_id is None:
             raise ValueError(
@@ -197,12 +197,10 @@ class Acceptor:
         """Connections refused for their hello: malformed, badly signed, misaddressed, stale, replayed,
         incomplete by the deadline, not from a neighbour, or for a superseded (term, epoch)."""
         self.dropped = 0
-        """Connections closed to respect `max_pending` / `max_pending_bytes` / `max_held`, superseded, or
-        expired after keep_s."""
-        self.accept_errors = 0
-        """OSErrors from accept() (EMFILE, ECONNABORTED, ...); each pauses accepting briefly."""
-        self.loop_errors = 0
-        """Unexpected errors the supervised loop survived."""
+        """Closed for `max_pending` / `max_pending_bytes` / `max_held`, superseded, or expired (keep_s)."""
+        self.accept_errors = self.loop_errors = 0
+        """OSErrors from accept() (EMFILE, ECONNABORTED, ...: each pauses accepting briefly); unexpected
+        errors the supervised loop survived."""
         self._held: list[_Held] = []
         self._wanted: Counter[_Key] = Counter()  # keys take() is waiting for: evicted last
         # pipeline hellos and probes apart: a probe flood cannot make a neighbour's hello replayable
@@ -210,6 +208,7 @@ class Acceptor:
         self._cond = threading.Condition()
         self._stop = threading.Event()
         self._pending: dict[socket.socket, _Handshake] = {}  # accept order: the first is the oldest
+        self._adopted: list[tuple[socket.socket, str]] = []  # relayed connections, not yet admitted
         self._sel = selectors.DefaultSelector()
         self._paused_until = 0.0  # accepting resumes at this monotonic time (0: not paused)
         self._backoff_s = 0.0
@@ -227,6 +226,12 @@ class Acceptor:
     @property
     def port(self) -> int:
         return self._port
+
+    def adopt(self, conn: socket.socket, addr: str) -> None:
+        """Take a connection that came another way (a relayed stream's local socket) as if the port had
+        accepted it: the same handshake, rules and caps."""
+        with self._cond:
+            self._adopted.append((conn, addr))
 
     @property
     def pending(self) -> int:
@@ -261,6 +266,10 @@ class Acceptor:
                 self.server.close()
 
     def _serve_once(self) -> None:
+        with self._cond:
+            adopted, self._adopted = self._adopted, []
+        for conn, addr in adopted:
+            self._admit(conn, addr)
         now = time.monotonic()
         if self._paused_until and now >= self._paused_until:
             self._paused_until = 0.0

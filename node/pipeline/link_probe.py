@@ -82,8 +82,10 @@ def probe_peer(
     nbytes: int = 1 << 20,
     shaper: Shaper | None = None,
     timeout_s: float = 30.0,
+    sock: socket.socket | None = None,
 ) -> LinkMeasure:
-    """Measure upload bandwidth and RTT to the node `peer_id` at host:port (module docstring)."""
+    """Measure upload bandwidth and RTT to the node `peer_id` at host:port (module docstring), or over
+    `sock` when given (a relayed connection to it, node/pipeline/fallback.py)."""
     if not 0 < nbytes <= MAX_PROBE_BYTES:
         raise ValueError(f"probe of {nbytes} bytes: must be 1..{MAX_PROBE_BYTES}")
     shaper = shaper or Shaper()
@@ -99,8 +101,10 @@ def probe_peer(
         probe_bytes=nbytes,
     )
     try:
-        with socket.create_connection((host, port), timeout=timeout_s) as sock:
-            sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+        with sock or socket.create_connection((host, port), timeout=timeout_s) as sock:
+            sock.settimeout(timeout_s)
+            if sock.family in (socket.AF_INET, socket.AF_INET6):
+                sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
             t0 = time.monotonic()
             sock.sendall(encode_frame(seal(identity, hello)))
             if _recv_exactly(sock, 1) != ACK:

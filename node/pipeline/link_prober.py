@@ -9,6 +9,7 @@ node's advert, where placement reads each link's bandwidth and RTT.
 from __future__ import annotations
 
 import logging
+import socket
 import threading
 from collections.abc import Callable
 from typing import TYPE_CHECKING
@@ -41,8 +42,11 @@ class LinkProber:
         busy: Callable[[], bool],
         measured: Callable[[], None],
         stop: threading.Event,
+        relayed: Callable[[NodeAdvert], socket.socket | None] = lambda a: None,
     ) -> None:
-        """busy: whether the node trains now (no probes then); measured: called after each round."""
+        """busy: whether the node trains now (no probes then); measured: called after each round; relayed: a
+        connection through the relay to a peer that cannot be dialed (None: dial it directly)."""
+        self.relayed = relayed
         self.identity, self.dht, self.shaper = identity, dht, shaper
         self.every_s, self.peers, self.nbytes = every_s, peers, nbytes
         self.busy, self.measured, self.stop = busy, measured, stop
@@ -75,8 +79,14 @@ class LinkProber:
             for a in others[: self.peers]:
                 try:
                     self.links[a.peer_id] = probe_peer(
-                        self.identity, a.peer_id, a.host, a.port, nbytes=self.nbytes, shaper=self.shaper
+                        self.identity,
+                        a.peer_id,
+                        a.host,
+                        a.port,
+                        nbytes=self.nbytes,
+                        shaper=self.shaper,
+                        sock=self.relayed(a),  # a relayed link's bandwidth is what placement must see
                     )
-                except (ProbeError, ValueError) as e:
+                except (ProbeError, ValueError, OSError) as e:
                     log.info("%s", e)
             self.measured()

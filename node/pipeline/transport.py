@@ -74,7 +74,8 @@ class Link:
                 f"Link inbox bounds must be at least 1 (got inbox_frames={inbox_frames}, "
                 f"inbox_bytes={inbox_bytes})"
             )
-        sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+        if sock.family in (socket.AF_INET, socket.AF_INET6):  # a relayed link is a local socket pair
+            sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
         sock.settimeout(None)
         self.sock, self.name = sock, name
         self.shaper = shaper or Shaper()

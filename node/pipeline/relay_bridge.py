@@ -1,0 +1,312 @@
+"""A pipeline link's bytes over a libp2p stream that may be reset, resumed on a new stream with nothing lost.
+
+A relayed link (node/pipeline/fallback.py) is a libp2p stream through a circuit relay, and a relay resets
+each relayed connection past its byte and time limits (hivemind 1.1.12's p2pd: 4 GiB per direction and
+30 min). The pipeline must not see that: a `Link` (node/pipeline/transport.py) reads and writes one end of
+a local socket pair, and a `BridgeSession` carries the other end's bytes over whichever stream is up.
+
+Each side numbers the bytes it sent (`sent_total`) and received (`recv_total`) on the session. Sent bytes
+stay in a bounded buffer until the other side acknowledges them; when a stream breaks, the dialing side
+opens a new one naming the session, both sides state what they received, and each resends from there. So
+every byte arrives once and in order, and a microbatch frame split by a reset is completed, not lost or
+doubled. On the wire (inside the stream, after the libp2p security handshake):
+
+    open    dialer -> server: MAGIC (NEW or RESUME), session id (16 bytes), dialer's recv_total (u64)
+    reply   server -> dialer: MAGIC, server's recv_total (u64); GONE when it has no such session to resume
+    frames  kind (1 byte: D data, A ack, C close), length (u32), payload (data <= CHUNK; ack: u64 total
+            received; close: u64 total sent, answered by an ack before the receiver closes)
+
+The server accepts a resume only from the libp2p peer that opened the session (libp2p authenticates peer
+ids end to end, through the relay too). A side whose stream stays down for `resume_s` closes its local
+socket, and the Link above breaks as a TCP link would.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+import socket
+import struct
+from collections.abc import Awaitable, Callable
+
+log = logging.getLogger(__name__)
+
+MAGIC, NEW, RESUME, GONE = b"CRB1", b"CRBN", b"CRBR", b"CRBX"
+CHUNK = 1 << 16
+"""Largest data frame: what one read of the local socket gives at most."""
+ACK_EVERY = 1 << 18
+"""Bytes received between two acknowledgements."""
+MAX_UNACKED = 64 << 20
+"""Sent bytes kept for a resend at most; past it the local side stops reading (backpressure)."""
+RESUME_S = 30.0
+"""How long a session waits for a new stream after its stream broke."""
+_FRAME = struct.Struct(">cI")
+_U64 = struct.Struct(">Q")
+_OPEN = struct.Struct(">4s16sQ")
+_REPLY = struct.Struct(">4sQ")
+
+Stream = tuple[asyncio.StreamReader, asyncio.StreamWriter]
+
+
+class BridgeError(ConnectionError):
+    """The other side broke the bridge protocol (bad magic, an oversized frame, an impossible offset)."""
+
+
+class SessionGone(BridgeError):
+    """The other side has no such session any more (it closed): nothing to resume."""
+
+
+def open_message(session: bytes, recv_total: int, *, resume: bool) -> bytes:
+    return _OPEN.pack(RESUME if resume else NEW, session, recv_total)
+
+
+async def read_open(reader: asyncio.StreamReader) -> tuple[bytes, int, bool]:
+    """The dialer's opening: (session id, what the dialer received so far, whether it resumes one)."""
+    magic, session, recv_total = _OPEN.unpack(await reader.readexactly(_OPEN.size))
+    if magic not in (NEW, RESUME):
+        raise BridgeError(f"not a relayed pipeline stream (magic {magic!r}, expected {NEW!r} or {RESUME!r})")
+    return session, recv_total, magic == RESUME
+
+
+async def read_reply(reader: asyncio.StreamReader) -> int:
+    magic, recv_total = _REPLY.unpack(await reader.readexactly(_REPLY.size))
+    if magic == GONE:
+        raise SessionGone("the relayed peer closed this link")
+    if magic != MAGIC:
+        raise BridgeError(f"the relayed peer answered with magic {magic!r}, expected {MAGIC!r}")
+    return int(recv_total)
+
+
+def reply_message(recv_total: int, *, gone: bool = False) -> bytes:
+    return _REPLY.pack(GONE if gone else MAGIC, recv_total)
+
+
+class BridgeSession:
+    """One pipeline link's bytes between a local socket and a sequence of libp2p streams (module docstring).
+
+    `reconnect` (dialing side only) opens a new stream and exchanges the opening: it returns the stream,
+    what the other side received and the stream's remote address. The server side waits for the dialer to come back instead."""
+
+    def __init__(
+        self,
+        local: socket.socket,
+        name: str,
+        *,
+        reconnect: Callable[[int], Awaitable[tuple[Stream, int, str]]] | None = None,
+        resume_s: float = RESUME_S,
+        on_close: Callable[[BridgeSession], None] = lambda s: None,
+    ) -> None:
+        local.setblocking(False)
+        self.local, self.name = local, name
+        self.reconnect, self.resume_s, self.on_close = reconnect, resume_s, on_close
+        self.sent = bytearray()  # sent bytes not yet acknowledged, from offset sent_base
+        self.sent_base = 0
+        self.recv_total = 0
+        self.resumes = 0
+        """Streams after the first: how often the session survived a reset."""
+        self.address = ""
+        """The current stream's remote multiaddr (a /p2p-circuit one when relayed)."""
+        self.closed = False
+        self._closing = False  # the local side closed: the session ends once the other side has it all
+        self._stream: Stream | None = None
+        self._room = asyncio.Event()  # set while the buffer has room
+        self._room.set()
+        self._unacked_in = 0
+        self._local_task: asyncio.Task[None] | None = None
+        self._down_task: asyncio.Task[None] | None = None
+
+    @property
+    def sent_total(self) -> int:
+        return self.sent_base + len(self.sent)
+
+    # --- streams --------------------------------------------------------------------------------
+    def attach(self, stream: Stream, peer_recv: int, address: str) -> asyncio.Task[None]:
+        """Carry the session over `stream` from now, the other side having received `peer_recv` bytes:
+        the bytes it lacks are sent first, then new ones. Returns the task reading the stream, which ends
+        when the stream is dropped."""
+        if not self.sent_base <= peer_recv <= self.sent_total:
+            self.close(
+                f"the other side claims {peer_recv} bytes received, outside {self.sent_base}..{self.sent_total}"
+            )
+            raise BridgeError(f"impossible resume offset {peer_recv}")
+        if self._stream is not None:  # a resume that raced the old stream's failure
+            self._drop_stream(self._stream)
+        elif self._local_task is not None:
+            self.resumes += 1
+        self._ack(peer_recv)
+        if self._down_task is not None:
+            self._down_task.cancel()
+            self._down_task = None
+        self._stream, self.address = stream, address
+        writer = stream[1]
+        view = memoryview(self.sent)
+        for i in range(0, len(view), CHUNK):
+            writer.write(_FRAME.pack(b"D", len(view[i : i + CHUNK])) + view[i : i + CHUNK])
+        view.release()
+        if self._closing:
+            writer.write(self._close_frame())
+        reading = asyncio.get_running_loop().create_task(self._pump_stream(stream))
+        if self._local_task is None:
+            self._local_task = asyncio.get_running_loop().create_task(self._pump_local())
+        return reading
+
+    def _drop_stream(self, stream: Stream) -> None:
+        if self._stream is stream:
+            self._stream = None
+        with contextlib.suppress(Exception):
+            stream[1].close()
+
+    def _lost(self, stream: Stream, why: object) -> None:
+        if self._stream is not stream or self.closed:
+            return
+        self._drop_stream(stream)
+        log.info("relayed link %s: stream lost (%s); resuming", self.name, why)
+        if self._down_task is None:
+            self._down_task = asyncio.get_running_loop().create_task(self._while_down())
+
+    async def _while_down(self) -> None:
+        """Dialer: open a new stream until `resume_s` has passed. Server: wait that long for one."""
+        loop = asyncio.get_running_loop()
+        deadline = loop.time() + self.resume_s
+        last: BaseException | None = None
+        while loop.time() < deadline and not self.closed:
+            if self.reconnect is None:
+                await asyncio.sleep(min(0.5, max(0.0, deadline - loop.time())))
+                continue
+            try:
+                stream, peer_recv, address = await asyncio.wait_for(
+                    self.reconnect(self.recv_total), max(0.1, deadline - loop.time())
+                )
+            except SessionGone as e:
+                last = e
+                break
+            except Exception as e:  # OSError, a timeout, the libp2p client's own errors: try again
+                last = e
+                await asyncio.sleep(0.25)
+                continue
+            self._down_task = None  # attach() must not cancel the task it runs in
+            try:
+                self.attach(stream, peer_recv, address)
+            except BridgeError:
+                return
+            return
+        if not self.closed:
+            self.close(f"no new stream within {self.resume_s:.0f} s ({last})")
+
+    # --- pumps ----------------------------------------------------------------------------------
+    def _send(self, frame: bytes) -> None:
+        if self._stream is not None:
+            try:
+                self._stream[1].write(frame)
+            except Exception as e:  # a transport closed under us: the stream pump sees it too
+                self._lost(self._stream, e)
+
+    def _close_frame(self) -> bytes:
+        return _FRAME.pack(b"C", _U64.size) + _U64.pack(self.sent_total)
+
+    def _ack(self, total: int) -> None:
+        if total > self.sent_base:
+            del self.sent[: min(total - self.sent_base, len(self.sent))]
+            self.sent_base = total
+        if len(self.sent) < MAX_UNACKED:
+            self._room.set()
+
+    async def _pump_local(self) -> None:
+        """Local socket -> buffer (and the current stream)."""
+        loop = asyncio.get_running_loop()
+        while not self.closed:
+            await self._room.wait()
+            try:
+                data = await loop.sock_recv(self.local, CHUNK)
+            except OSError as e:
+                self.close(f"local socket failed: {e}")
+                return
+            if not data:  # the Link closed: deliver what it sent, then the other side's Link closes too
+                self._closing = True
+                self._send(self._close_frame())  # again after a resume (attach), until acknowledged
+                await asyncio.sleep(self.resume_s)
+                self.close("the other side never acknowledged the close")
+                return
+            self.sent += data
+            if len(self.sent) >= MAX_UNACKED:
+                self._room.clear()
+            self._send(_FRAME.pack(b"D", len(data)) + data)
+            if self._stream is not None:
+                stream = self._stream
+                try:
+                    await stream[1].drain()
+                except Exception as e:
+                    self._lost(stream, e)
+
+    async def _pump_stream(self, stream: Stream) -> None:
+        """Stream -> local socket, acknowledging; acknowledgements and the close from the other side."""
+        loop = asyncio.get_running_loop()
+        reader = stream[0]
+        try:
+            while not self.closed and self._stream is stream:
+                kind, n = _FRAME.unpack(await reader.readexactly(_FRAME.size))
+                if kind == b"D":
+                    if not 0 < n <= CHUNK:
+                        raise BridgeError(f"data frame of {n} bytes (1..{CHUNK} allowed)")
+                    data = await reader.readexactly(n)
+                    await loop.sock_sendall(self.local, data)
+                    self.recv_total += n
+                    self._unacked_in += n
+                    if self._unacked_in >= ACK_EVERY:
+                        self._unacked_in = 0
+                        self._send(_FRAME.pack(b"A", _U64.size) + _U64.pack(self.recv_total))
+                elif kind == b"A":
+                    if n != _U64.size:
+                        raise BridgeError(f"ack frame of {n} bytes ({_U64.size} expected)")
+                    (total,) = _U64.unpack(await reader.readexactly(n))
+                    if not self.sent_base <= total <= self.sent_total:
+                        raise BridgeError(f"ack of {total} bytes outside {self.sent_base}..{self.sent_total}")
+                    self._ack(total)
+                    if self._closing and not self.sent:  # the other side has everything: done
+                        self.close("closed by this side")
+                        return
+                elif kind == b"C":  # after every data frame it covers: all of it was delivered
+                    if n != _U64.size:
+                        raise BridgeError(f"close frame of {n} bytes ({_U64.size} expected)")
+                    await reader.readexactly(n)
+                    self._send(_FRAME.pack(b"A", _U64.size) + _U64.pack(self.recv_total))
+                    with contextlib.suppress(Exception):
+                        await asyncio.wait_for(stream[1].drain(), 5.0)
+                    self.close("closed by the other side")
+                    return
+                else:
+                    raise BridgeError(f"unknown frame kind {kind!r}")
+        except BridgeError as e:
+            log.warning("relayed link %s: %s; closing", self.name, e)
+            self.close(str(e))
+        except (asyncio.IncompleteReadError, ConnectionError, OSError) as e:
+            self._lost(stream, e or type(e).__name__)
+        except asyncio.CancelledError:
+            raise
+        except Exception as e:  # the libp2p client may raise its own errors on a reset stream
+            self._lost(stream, e)
+
+    def cut(self) -> None:
+        """Reset the current stream, as a relay at its limit would (tests, benchmarks)."""
+        if self._stream is not None:
+            stream = self._stream
+            with contextlib.suppress(Exception):
+                stream[1].transport.abort()
+            self._lost(stream, "cut")
+
+    def close(self, why: str = "closed") -> None:
+        if self.closed:
+            return
+        self.closed = True
+        log.debug("relayed link %s closed: %s", self.name, why)
+        if self._stream is not None:
+            self._drop_stream(self._stream)
+        with contextlib.suppress(OSError):
+            self.local.shutdown(socket.SHUT_RDWR)
+        self.local.close()
+        self._room.set()
+        for task in (self._down_task, self._local_task):
+            if task is not None and task is not asyncio.current_task():
+                task.cancel()
+        self.on_close(self)

@@ -1,0 +1,207 @@
+"""The relayed fallback (issue 25): real p2pd daemons on loopback, a real circuit relay between them.
+
+- Frames cross a relayed link exactly once and in order while the relay resets the connection at its limit
+  and the test cuts the stream itself (acceptance 3 at the link level: nothing lost, nothing doubled).
+- Two stages training over a relayed link cut after every step end with the weights of an uncut run
+  (acceptance 3 at the replica level).
+- Over the relay, the pipeline port's rules hold: forged, other-run, other-stage and replayed hellos are
+  refused and counted, and the real neighbour is still served (acceptance 2).
+"""
+
+from __future__ import annotations
+
+import hashlib
+import os
+import socket
+import threading
+import time
+from collections.abc import Callable, Iterator
+
+import pytest
+import torch
+
+from node.pipeline.acceptor import Acceptor
+from node.pipeline.fallback import Fallback, Relay, split_circuit
+from node.pipeline.reachability import observed_ip
+from node.pipeline.transport import Link, LinkError, listen
+from protocol.envelope import seal
+from tests.test_hello_assignment import COORD, ME, RID, TRUST, UP, _assignment, _frame
+
+pytestmark = pytest.mark.timeout(120)
+
+
+@pytest.fixture(scope="module")
+def relay() -> Iterator[Relay]:
+    r = Relay("127.0.0.1", 0)
+    yield r
+    r.close()
+
+
+def _accepted(got: list[tuple[socket.socket, str]], n: int) -> socket.socket:
+    deadline = time.monotonic() + 10
+    while len(got) < n:
+        assert time.monotonic() < deadline, "the relayed stream never reached the serving side"
+        time.sleep(0.02)
+    return got[n - 1][0]
+
+
+def test_frames_cross_the_relay_once_and_in_order_through_its_resets_and_cuts() -> None:
+    limited = Relay("127.0.0.1", 0, data_limit=1 << 20)  # resets relayed connections (see Relay)
+    got: list[tuple[socket.socket, str]] = []
+    server, client = (
+        Fallback(limited.address, accept=lambda s, a: got.append((s, a))),
+        Fallback(limited.address),
+    )
+    try:
+        sock, session = client.dial(server.address, "test", timeout_s=30)
+        assert "/p2p-circuit" in session.address  # the stream is relayed, not a direct connection
+        a, b = Link(sock, "a"), Link(_accepted(got, 1), "b")
+        frames = [os.urandom(1 + (i * 7919) % 120_000) for i in range(160)]
+        back = [os.urandom(1 + (i * 104_729) % 30_000) for i in range(40)]
+
+        def send() -> None:
+            for i, f in enumerate(frames):
+                a.send(f)
+                if i in (40, 100):
+                    assert client.cut_all() == 1  # as a relay resetting at its limit would
+            for f in back:  # replies interleave with the resets too
+                a.send(f)
+
+        t = threading.Thread(target=send)
+        t.start()
+        received = [b.recv(timeout_s=60) for _ in range(len(frames) + len(back))]
+        t.join(30)
+        digest = hashlib.sha256
+        assert [digest(f).digest() for f in received] == [digest(f).digest() for f in frames + back]
+        assert session.resumes >= 2  # the two cuts, and the relay's own resets
+        for f in back:
+            b.send(f)
+        assert [a.recv(timeout_s=30) for _ in back] == back  # the other direction after the resumes
+        tail = [os.urandom(50_000) for _ in range(5)]
+        for f in tail:
+            a.send(f)
+        a.flush()
+        client.cut_all()
+        a.close()  # closed while its stream is down: what it sent still arrives, then the close
+        assert [b.recv(timeout_s=30) for _ in tail] == tail
+        with pytest.raises(LinkError):  # a link closed at one end closes the other, as over TCP
+            b.recv(timeout_s=10)
+    finally:
+        client.close()
+        server.close()
+        limited.close()
+
+
+def test_hello_rules_hold_over_the_relay_and_the_real_neighbour_is_served(relay: Relay) -> None:
+    acc = Acceptor(listen("127.0.0.1", 0), peer_id=ME.peer_id, trust=TRUST)
+    server, hostile = Fallback(relay.address, accept=acc.adopt), Fallback(relay.address)
+    opened: list[socket.socket] = []
+
+    def over_relay(frame: bytes) -> socket.socket:
+        sock, _ = hostile.dial(server.address, "hostile", timeout_s=30)
+        sock.sendall(frame)
+        opened.append(sock)
+        return sock
+
+    try:
+        proof = seal(COORD, _assignment())
+        real = _frame(UP, proof)
+        forged = bytearray(real)
+        forged[-5] ^= 0xFF  # inside the signature
+        over_relay(bytes(forged))
+        over_relay(_frame(UP, proof, run_id="another-run"))
+        over_relay(_frame(UP, proof, stage=1))
+        deadline = time.monotonic() + 15
+        while acc.rejected < 3:
+            assert time.monotonic() < deadline, f"refused {acc.rejected} of 3"
+            time.sleep(0.05)
+        neighbour = over_relay(real)  # the real neighbour's hello, through the relay
+        hello, sock = acc.take(RID, UP.peer_id, 0, 0, 15.0, lambda: False, term=1, epoch=1)
+        assert hello.peer_id == UP.peer_id and server.session_of(sock) is not None
+        over_relay(real)  # the same hello again on a new connection: a replay
+        deadline = time.monotonic() + 15
+        while acc.rejected < 4:
+            assert time.monotonic() < deadline, "the replayed hello was not refused"
+            time.sleep(0.05)
+        up, down = Link(neighbour, "up"), Link(sock, "down")  # the stage keeps serving its real neighbour
+        up.send(b"activation")
+        assert down.recv(timeout_s=15) == b"activation"
+        up.close()
+        down.close()
+    finally:
+        for s in opened:
+            s.close()
+        hostile.close()
+        server.close()
+        acc.close()
+
+
+def test_relayed_addresses_and_observed_ips_are_parsed_strictly() -> None:
+    peer = "12D3KooWRqvQx6wHQikWoHHYxvk1b6VQeF3FjK9FtVtVntpRVokm"
+    relay = f"/ip4/127.0.0.1/tcp/4001/p2p/{peer}"
+    circuit, target = split_circuit(f"{relay}/p2p-circuit/p2p/{peer}")
+    assert str(circuit) == f"{relay}/p2p-circuit" and target.to_base58() == peer
+    for bad in (relay, f"{relay}/p2p-circuit", f"{relay}/p2p-circuit/p2p/not-a-peer-id"):
+        with pytest.raises(ValueError, match="not a relayed address"):
+            split_circuit(bad)
+    assert observed_ip("/ip4/10.1.2.3/tcp/5555") == "10.1.2.3"
+    assert observed_ip(f"{relay}/p2p-circuit") is None  # a relayed asker is not dialed back
+    assert observed_ip("/dns4/example.com/tcp/1") is None
+
+
+def _train_two_stages(
+    links: tuple[Link, Link], steps: int, during: Callable[[], None] = lambda: None
+) -> list[dict]:
+    """Both stages of a tiny pipeline, one per thread, over `links`: their weights after `steps` AdamW steps."""
+    from tests.test_pipeline_tcp import M, _pipe, _spec, _stage, _tokens
+
+    spec = _spec([8])
+    out: list[dict] = [{}, {}]
+
+    def stage(index: int) -> None:
+        torch.manual_seed(0)
+        module = _stage(spec, index)
+        opt = torch.optim.AdamW(module.parameters(), lr=1e-3)
+        prev, nxt = (None, links[0]) if index == 0 else (links[1], None)
+        pipe = _pipe(spec, module, index, prev, nxt)
+        for step in range(steps):
+            opt.zero_grad()
+            pipe.train_step(step, _tokens() if index == 0 else None, M)
+            opt.step()
+            during()
+        out[index] = {k: v.clone() for k, v in module.state_dict().items()}
+
+    threads = [threading.Thread(target=stage, args=(i,)) for i in (0, 1)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(90)
+    assert all(out), "a stage did not finish"
+    return out
+
+
+def test_a_replica_cut_again_and_again_ends_with_the_weights_of_an_uncut_one(relay: Relay) -> None:
+    srv = listen("127.0.0.1", 0)
+    direct = Link(socket.create_connection(srv.getsockname()), "s1"), Link(srv.accept()[0], "s0")
+    uncut = _train_two_stages(direct, steps=6)
+    srv.close()
+
+    got: list[tuple[socket.socket, str]] = []
+    server, client = Fallback(relay.address, accept=lambda s, a: got.append((s, a))), Fallback(relay.address)
+    try:
+        sock, session = client.dial(server.address, "stage 1", timeout_s=30)
+        relayed = Link(sock, "s1"), Link(_accepted(got, 1), "s0")
+        cuts = [0]
+
+        def cut() -> None:  # after every optimizer step of either stage: mid-microbatch for the other
+            cuts[0] += client.cut_all()
+
+        cut_run = _train_two_stages(relayed, steps=6, during=cut)
+        assert cuts[0] >= 6 and session.resumes >= 6, (cuts, session.resumes)
+        for mine, ref in zip(cut_run, uncut, strict=True):  # nothing lost or doubled: bit-identical weights
+            assert mine.keys() == ref.keys()
+            for name in ref:
+                assert torch.equal(mine[name], ref[name]), name
+    finally:
+        client.close()
+        server.close()

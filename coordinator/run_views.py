@@ -52,6 +52,8 @@ def node_view(a: NodeAdvert) -> dict:
         "tokens_per_s": a.tokens_per_s,
         "store_mbps": a.store_mbps,
         "coordinator_eligible": a.coordinator_eligible,
+        "reachable": a.reachable,
+        "link_transport": dict(a.link_transport),
     }
 
 
@@ -86,6 +88,11 @@ def run_view(
                         "error": a.error if a and on_run else "",
                         # MoE: max / mean tokens per expert by layer (the balancing's figure)
                         "expert_load": dict(a.expert_load) if a and on_run else {},
+                        # NAT: links through the relay, and whether peers can dial this node
+                        "relayed": sorted(p for p, t in a.link_transport.items() if t == "relayed")
+                        if a and on_run
+                        else [],
+                        "reachable": a.reachable if a else True,
                     }
                 )
             grid.append(row)

@@ -517,7 +517,7 @@ class NodeDaemon:
             health_port=self.health.port,
             reachable=self.reach.reachable is not False,
             relay_addr=self.reach.relay_addr,
-            link_transport={p: t for p, t in m.link_transport.items() if m.state in ("assigned", "training")},
+            link_transport=dict(m.link_transport),  # the current (or last) assignment's links
             store_mbps=round(self.store_mbps, 1),
             coordinator_eligible=self.cfg.coordinator_eligible,
             peer_mbps={p: round(m.mbps, 1) for p, m in self.prober.advertised()},

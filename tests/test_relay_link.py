@@ -205,3 +205,14 @@ def test_a_replica_cut_again_and_again_ends_with_the_weights_of_an_uncut_one(rel
     finally:
         client.close()
         server.close()
+
+
+def test_dial_backs_are_rate_limited_per_asker_and_in_all() -> None:
+    from node.pipeline.reachability import PER_MINUTE, PER_PEER_S, DialbackServer
+
+    server = DialbackServer(ME)
+    assert server._allowed("a", 100.0) and not server._allowed("a", 100.0 + PER_PEER_S / 2)
+    assert server._allowed("a", 100.0 + PER_PEER_S)  # again once its interval passed
+    allowed = [server._allowed(f"p{i}", 150.0) for i in range(PER_MINUTE + 5)]
+    assert sum(allowed) == PER_MINUTE - 2  # "a" had 2 of the last minute's
+    assert server._allowed("late", 211.0)  # a minute after the burst

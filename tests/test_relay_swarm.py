@@ -8,7 +8,10 @@ relayed connection after 1 MiB, so the link is cut again and again mid-run; it r
 
 from __future__ import annotations
 
+import json
 import socket
+import urllib.error
+import urllib.request
 from pathlib import Path
 
 import pytest
@@ -62,6 +65,17 @@ def test_unreachable_nodes_train_over_the_relay_through_its_resets(tmp_path: Pat
             assert "falling back to relayed pipeline links" in log
 
         swarm.launch(toml)
+
+        def shown() -> list[dict] | None:  # the dashboard shows the relayed link, from the adverts
+            try:
+                with urllib.request.urlopen(f"{swarm.dashboard}api/runs/{run_id}", timeout=10) as resp:
+                    cells = [c for row in json.load(resp)["grid"] for c in row if c]
+            except urllib.error.HTTPError:  # 404 until the coordinator took the run on
+                return None
+            return cells if len(cells) == 2 and all(c["relayed"] for c in cells) else None
+
+        cells = wait_until(shown, 120, "the dashboard to show both nodes' relayed link")
+        assert {c["relayed"][0] for c in cells} == set(peers) and not any(c["reachable"] for c in cells)
 
         def finished() -> list[dict] | None:
             ms = run_metrics(swarm, run_id)

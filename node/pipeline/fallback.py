@@ -143,7 +143,7 @@ class Fallback:
         self._local_ends: dict[int, BridgeSession] = {}  # fd of the socket handed to `accept` -> its session
         self._loop = AsyncThread("relay-link")
         try:
-            self.p2p: P2P = self._loop.run(self._start(startup_timeout_s), startup_timeout_s + 5)
+            self.p2p: P2P = self._loop.run(self._start(startup_timeout_s), 3 * startup_timeout_s + 10)
         except Exception as e:
             self._loop.stop()
             raise FallbackError(
@@ -155,6 +155,19 @@ class Fallback:
         """Where upstream neighbours reach this node through the relay (advertised)."""
 
     async def _start(self, timeout_s: float) -> P2P:
+        """Start the daemon; p2pd exits when it cannot reach the relay at once (a loaded host, a relay
+        restarting), so it is tried 3 times."""
+        for attempt in range(3):
+            try:
+                return await self._start_once(timeout_s)
+            except Exception as e:
+                if attempt == 2:
+                    raise
+                log.info("relayed fallback: %s; trying again", e)
+                await asyncio.sleep(1.0 + attempt)
+        raise AssertionError("unreachable")
+
+    async def _start_once(self, timeout_s: float) -> P2P:
         p2p = await _StaticRelayP2P.create(
             initial_peers=[self.relay],
             host_maddrs=[],

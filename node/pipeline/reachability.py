@@ -27,7 +27,7 @@ from typing import TYPE_CHECKING, Any
 
 from hivemind.p2p import P2P, PeerID
 
-from node.pipeline.fallback import AsyncThread, Fallback
+from node.pipeline.fallback import AsyncThread, Fallback, FallbackError
 from node.pipeline.link_probe import ProbeError, probe_peer
 from protocol import keys
 from protocol.identity import Identity
@@ -45,7 +45,7 @@ PROBE_BYTES = 1024
 DIAL_TIMEOUT_S = 5.0
 PER_PEER_S = 30.0
 PER_MINUTE = 20
-RECHECK_S = 15.0
+RECHECK_S = 5.0
 """How soon a node with no verdict yet (no peer answered) asks again."""
 REACHED, NOT_REACHED, REFUSED = b"\x01", b"\x00", b"\x02"
 _PORT = struct.Struct(">H")
@@ -100,11 +100,17 @@ class DialbackServer:
                 writer.close()
 
     def _dial(self, peer: str, ip: str, port: int) -> bool:
-        try:
-            probe_peer(self.identity, peer, ip, port, nbytes=PROBE_BYTES, timeout_s=DIAL_TIMEOUT_S)
-            return True
-        except (ProbeError, ValueError):
-            return False
+        for attempt in range(2):  # the asker's port serves 2 probes at once: another's may hold it
+            try:
+                probe_peer(self.identity, peer, ip, port, nbytes=PROBE_BYTES, timeout_s=DIAL_TIMEOUT_S)
+                return True
+            except ProbeError as e:
+                if attempt or not isinstance(e.__cause__, ProbeError):  # refused, not merely busy
+                    return False
+                time.sleep(0.5)
+            except ValueError:
+                return False
+        return False
 
 
 class Reachability:
@@ -122,7 +128,10 @@ class Reachability:
         self._p2p: P2P = self._loop.run(self._serve(), 30.0)
         self.fallback: Fallback | None = None
         if cfg.relay and cfg.use_relay:  # dials neighbours through the relay, and serves relayed links
-            self.fallback = Fallback(cfg.relay, accept=acceptor.adopt)
+            try:
+                self.fallback = Fallback(cfg.relay, accept=acceptor.adopt)
+            except FallbackError as e:  # a relay that is down must not keep a reachable node from serving
+                log.warning("%s; this node goes on with direct links only", e)
         self._stop = threading.Event()
         self._thread: threading.Thread | None = None
 
@@ -160,7 +169,13 @@ class Reachability:
         return self.reachable
 
     async def _ask_all(self, peers: list[str]) -> list[bytes]:
-        return list(await asyncio.gather(*(self._ask(p) for p in peers)))
+        two = asyncio.Semaphore(2)  # this node's port answers 2 probes at once (Acceptor.max_probes)
+
+        async def ask(peer: str) -> bytes:
+            async with two:
+                return await self._ask(peer)
+
+        return list(await asyncio.gather(*(ask(p) for p in peers)))
 
     async def _ask(self, peer: str) -> bytes:
         try:

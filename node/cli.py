@@ -243,7 +243,8 @@ def cmd_bootstrap(args: argparse.Namespace) -> int:
     if st.get("", "relay_port") >= 0:
         from node.pipeline.fallback import Relay
 
-        relay = Relay(host, st.get("", "relay_port"), data_limit=st.get("", "relay_limit_mb") << 20)
+        limit = st.get("", "relay_limit_mb") << 20
+        relay = Relay(host, st.get("", "relay_port"), data_limit=limit, check=not limit)
         print(f"RELAY {relay.address}", flush=True)
     print(f"crucible-node bootstrap peer ready: peer_id={dht.peer_id} (Ctrl-C to stop)", flush=True)
     stop.wait()

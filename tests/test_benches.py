@@ -132,3 +132,20 @@ def test_bench_quality_moe_arms_match_the_dense_active_parameters() -> None:
     assert all(0 < v < 8 for v in out["val_bpb"].values())
     assert set(moe["load_ratio"]) == {"moe", "moe_adamw"}
     assert all(r >= 1.0 for arm in moe["load_ratio"].values() for r in arm.values())
+
+
+def test_bench_relay_quick() -> None:
+    out = run_bench(
+        "scripts.bench_relay",
+        "--total-mib",
+        "2",
+        "--repeats",
+        "1",
+        "--cut-every-mib",
+        "1",
+        "--replica-steps",
+        "1",
+    )
+    assert out["bench"] == "relay" and out["relay_checked"]
+    assert out["relayed_mb_s"] > 0 and out["cuts"] >= 1 and out["resumes"] >= out["cuts"]
+    assert out["replica_relayed_tokens_s"] > 0 and out["replica_direct_tokens_s"] > 0

@@ -30,6 +30,7 @@ import logging
 import os
 import socket
 import threading
+import time
 from collections.abc import Callable
 from typing import Any
 
@@ -257,7 +258,7 @@ class Fallback:
             elif self._remote.get(sid) != info.peer_id:
                 raise BridgeError("a resume of another peer's session")
             else:
-                writer.write(reply_message(session.recv_total))
+                writer.write(reply_message(await session.received()))
                 await writer.drain()
                 reading = session.attach((reader, writer), dialer_recv, str(info.addr))
         except (TimeoutError, BridgeError, asyncio.IncompleteReadError, OSError) as e:
@@ -305,7 +306,18 @@ class Fallback:
 
 
 class Relay:
-    """The relay role: a publicly reachable p2pd that relays the fallback's circuits."""
+    """The relay role: a publicly reachable p2pd that relays the fallback's circuits.
+
+    hivemind 1.1.12's p2pd runs two circuit relay services: the one its flags configure (p2pd's limits: 4 GiB
+    per direction, 30 min), started when the host is public, and one with go-libp2p's default resources
+    (`EnableRelayV2`: 128 KiB, 2 min). Whichever registers the hop protocol last serves every circuit, and
+    that is decided by a race at start: measured on loopback, about 1 start in 4 gets the configured one;
+    the others reset each circuit after ~64 KB, and a relayed link crawls at ~4-5 MB/s through hundreds
+    of resumes instead of ~150-185 MB/s (docs/benchmarks.md). So the relay checks itself at start,
+    relaying 256 KiB between two fallbacks of its own, and starts its daemon again until a circuit carries
+    it without a reset (at most `START_TRIES` starts, ~0.6 s each)."""
+
+    START_TRIES = 40
 
     def __init__(
         self,
@@ -314,8 +326,10 @@ class Relay:
         *,
         announce_host: str | None = None,
         data_limit: int = 0,
+        check: bool = True,
     ) -> None:
-        """data_limit: reset each relayed connection after this many bytes per direction (0: p2pd's)."""
+        """data_limit: reset each relayed connection after this many bytes per direction (0: p2pd's own;
+        tests set one to cut links on purpose); check: start again until circuits are not reset."""
         limit_bytes = data_limit
 
         class _Limited(_RelayServiceP2P):
@@ -334,12 +348,64 @@ class Relay:
             )
             return p2p
 
-        self.p2p: P2P = self._loop.run(start(), 40.0)
-        self.peer_id = self.p2p.peer_id.to_base58()
-        addrs = self._loop.run(self.p2p.get_visible_maddrs(), 10.0)
-        self.address = str(addrs[0]) if "/p2p/" in str(addrs[0]) else f"{addrs[0]}/p2p/{self.peer_id}"
+        self.starts = 0
+        """Daemon starts it took (the last one serves)."""
+        self.resets_per_check: int | None = None
+        """Resets the last start's check saw relaying 256 KiB (None: not checked)."""
+        for attempt in range(1, self.START_TRIES + 1):
+            self.starts = attempt
+            self.p2p: P2P = self._loop.run(start(), 40.0)
+            self.peer_id = self.p2p.peer_id.to_base58()
+            addrs = self._loop.run(self.p2p.get_visible_maddrs(), 10.0)
+            self.address = str(addrs[0]) if "/p2p/" in str(addrs[0]) else f"{addrs[0]}/p2p/{self.peer_id}"
+            if not check:
+                return
+            self.resets_per_check = _resets_relaying(self.address)
+            if self.resets_per_check == 0 or self.starts == self.START_TRIES:
+                break
+            log.debug(
+                "relay start %d resets circuits (%d in 256 KiB); starting again",
+                self.starts,
+                self.resets_per_check,
+            )
+            self._loop.run(self.p2p.shutdown(), 15.0)
+        if self.resets_per_check:
+            log.warning(
+                "relay: in each of %d starts its circuits were reset (%d times in 256 KiB in the last): relayed "
+                "links resume through it without loss but run slowly; restart it to try again",
+                self.starts,
+                self.resets_per_check,
+            )
+        else:
+            log.info("relay: circuits carry 256 KiB without a reset (start %d)", self.starts)
 
     def close(self) -> None:
         with contextlib.suppress(Exception):
             self._loop.run(self.p2p.shutdown(), 15.0)
         self._loop.stop()
+
+
+def _resets_relaying(address: str, nbytes: int = 1 << 18) -> int:
+    """How often a circuit through the relay at `address` was reset while it carried `nbytes`."""
+    got: list[socket.socket] = []
+    server, client = Fallback(address, accept=lambda s, a: got.append(s)), Fallback(address)
+    try:
+        sock, session = client.dial(server.address, "relay self-test", timeout_s=20)
+        sender = threading.Thread(target=sock.sendall, args=(bytes(nbytes),), daemon=True)
+        sender.start()
+        deadline, left = time.monotonic() + 60, nbytes
+        while not got and time.monotonic() < deadline:
+            time.sleep(0.01)
+        got[0].settimeout(max(0.1, deadline - time.monotonic()))
+        while left > 0:
+            chunk = got[0].recv(1 << 16)
+            if not chunk:
+                break
+            left -= len(chunk)
+        sender.join(5)
+        return session.resumes
+    finally:
+        for s in got:
+            s.close()
+        client.close()
+        server.close()

@@ -113,6 +113,7 @@ class BridgeSession:
         self._room = asyncio.Event()  # set while the buffer has room
         self._room.set()
         self._unacked_in = 0
+        self._delivering = asyncio.Lock()  # held while bytes go to the local socket and are counted
         self._local_task: asyncio.Task[None] | None = None
         self._down_task: asyncio.Task[None] | None = None
 
@@ -151,6 +152,14 @@ class BridgeSession:
             self._local_task = asyncio.get_running_loop().create_task(self._pump_local())
         return reading
 
+    async def received(self) -> int:
+        """What this side received, for a resume: the current stream (if any) is dropped first, and a
+        delivery in flight is finished and counted, so no byte of the old stream arrives after this."""
+        async with self._delivering:
+            if self._stream is not None:
+                self._drop_stream(self._stream)
+            return self.recv_total
+
     def _drop_stream(self, stream: Stream) -> None:
         if self._stream is stream:
             self._stream = None
@@ -176,7 +185,7 @@ class BridgeSession:
                 continue
             try:
                 stream, peer_recv, address = await asyncio.wait_for(
-                    self.reconnect(self.recv_total), max(0.1, deadline - loop.time())
+                    self.reconnect(await self.received()), max(0.1, deadline - loop.time())
                 )
             except SessionGone as e:
                 last = e
@@ -197,6 +206,9 @@ class BridgeSession:
     # --- pumps ----------------------------------------------------------------------------------
     def _send(self, frame: bytes) -> None:
         if self._stream is not None:
+            if self._stream[1].transport.is_closing():  # reset under us: asyncio would warn on each write
+                self._lost(self._stream, "the stream was reset")
+                return
             try:
                 self._stream[1].write(frame)
             except Exception as e:  # a transport closed under us: the stream pump sees it too
@@ -250,8 +262,11 @@ class BridgeSession:
                     if not 0 < n <= CHUNK:
                         raise BridgeError(f"data frame of {n} bytes (1..{CHUNK} allowed)")
                     data = await reader.readexactly(n)
-                    await loop.sock_sendall(self.local, data)
-                    self.recv_total += n
+                    async with self._delivering:  # a resume counts what was received after this
+                        if self._stream is not stream:  # replaced meanwhile: the peer resends it
+                            return
+                        await loop.sock_sendall(self.local, data)
+                        self.recv_total += n
                     self._unacked_in += n
                     if self._unacked_in >= ACK_EVERY:
                         self._unacked_in = 0
@@ -260,16 +275,22 @@ class BridgeSession:
                     if n != _U64.size:
                         raise BridgeError(f"ack frame of {n} bytes ({_U64.size} expected)")
                     (total,) = _U64.unpack(await reader.readexactly(n))
-                    if not self.sent_base <= total <= self.sent_total:
-                        raise BridgeError(f"ack of {total} bytes outside {self.sent_base}..{self.sent_total}")
-                    self._ack(total)
+                    if total > self.sent_total:
+                        raise BridgeError(f"ack of {total} bytes, past the {self.sent_total} sent")
+                    if self._stream is not stream:
+                        return
+                    self._ack(total)  # an older ack than a resume's offset changes nothing
                     if self._closing and not self.sent:  # the other side has everything: done
                         self.close("closed by this side")
                         return
                 elif kind == b"C":  # after every data frame it covers: all of it was delivered
                     if n != _U64.size:
                         raise BridgeError(f"close frame of {n} bytes ({_U64.size} expected)")
-                    await reader.readexactly(n)
+                    (total,) = _U64.unpack(await reader.readexactly(n))
+                    if self._stream is not stream:
+                        return
+                    if total != self.recv_total:
+                        raise BridgeError(f"closed at {total} bytes sent, {self.recv_total} received")
                     self._send(_FRAME.pack(b"A", _U64.size) + _U64.pack(self.recv_total))
                     with contextlib.suppress(Exception):
                         await asyncio.wait_for(stream[1].drain(), 5.0)

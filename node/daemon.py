@@ -752,9 +752,9 @@ class NodeDaemon:
         if self.coordinator_role is not None:
             self.coordinator_role.stop()
         self._stop_worker("node shutting down", timeout_s=30)
+        self.reach.close()  # before the acceptor: no relayed connection is adopted after it closed
         self.acceptor.close()
         self.health.close()
-        self.reach.close()
         self.dht.shutdown()
         if self._device_claim is not None:
             self._device_claim.close()

@@ -52,6 +52,14 @@ def _check_text(where: str, value: str, *, empty_ok: bool = True) -> None:
         raise ValueError(f"{where}={describe(value)} must be {0 if empty_ok else 1}-{MAX_TEXT} characters")
 
 
+def _check_relay_addr(where: str, addr: str) -> None:
+    """Empty, or RELAY_MULTIADDR/p2p-circuit/p2p/PEER_ID (node/pipeline/fallback.py dials only its own relay)."""
+    _check_text(where, addr)
+    relay, sep, peer = addr.partition("/p2p-circuit/p2p/")
+    if addr and (not sep or not relay.startswith("/") or "/p2p/" not in relay or not peer or "/" in peer):
+        raise ValueError(f"{where}={describe(addr)} is not RELAY_MULTIADDR/p2p-circuit/p2p/PEER_ID")
+
+
 def _check_port(where: str, port: int) -> None:
     check_range(where, port, 0, MAX_PORT)
 
@@ -83,7 +91,7 @@ class Endpoint:
         _check_text("Endpoint.peer_id", self.peer_id, empty_ok=False)
         _check_text("Endpoint.host", self.host, empty_ok=False)
         _check_port("Endpoint.port", self.port)
-        _check_text("Endpoint.relay_addr", self.relay_addr, empty_ok=True)
+        _check_relay_addr("Endpoint.relay_addr", self.relay_addr)
 
 
 @dataclass(kw_only=True, frozen=True)
@@ -170,12 +178,9 @@ class NodeAdvert:
             raise ValueError(
                 f"NodeAdvert.mail_key={describe(self.mail_key)} must be 64 lowercase hex characters or empty"
             )
-        for name in ("peer_id", "version", "device", "host", "relay_addr"):
-            _check_text(
-                f"NodeAdvert.{name}",
-                getattr(self, name),
-                empty_ok=name in ("version", "device", "relay_addr"),
-            )
+        for name in ("peer_id", "version", "device", "host"):
+            _check_text(f"NodeAdvert.{name}", getattr(self, name), empty_ok=name in ("version", "device"))
+        _check_relay_addr("NodeAdvert.relay_addr", self.relay_addr)
         if len(self.link_transport) > 2 or not set(self.link_transport.values()) <= {"direct", "relayed"}:
             raise ValueError(
                 f"NodeAdvert.link_transport={describe(self.link_transport)} must name at most 2 links, each "

@@ -220,3 +220,75 @@ def test_dial_backs_are_rate_limited_per_asker_and_in_all() -> None:
     allowed = [server._allowed(f"p{i}", 150.0) for i in range(PER_MINUTE + 5)]
     assert sum(allowed) == PER_MINUTE - 2  # "a" had 2 of the last minute's
     assert server._allowed("late", 211.0)  # a minute after the burst
+
+
+def test_a_link_closed_while_its_receiver_lags_and_its_stream_is_cut_still_delivers_all(relay: Relay) -> None:
+    got: list[tuple[socket.socket, str]] = []
+    server, client = Fallback(relay.address, accept=lambda s, a: got.append((s, a))), Fallback(relay.address)
+    try:
+        sock, _ = client.dial(server.address, "lagging", timeout_s=30)
+        payload = os.urandom(3 << 20)  # more than the local socket pair holds: the receiver holds it back
+        sock.sendall(payload[: 1 << 20])
+        client.cut_all()
+        sender = threading.Thread(target=lambda: (sock.sendall(payload[1 << 20 :]), sock.close()))
+        sender.start()
+        time.sleep(3)  # the stage is busy (an acceptor holding the socket until take(), a slow step)
+        receiver, buf = _accepted(got, 1), bytearray()
+        receiver.settimeout(30)
+        while chunk := receiver.recv(1 << 16):
+            buf += chunk
+        sender.join(10)
+        assert bytes(buf) == payload  # all of it, then the close
+    finally:
+        client.close()
+        server.close()
+
+
+def test_one_peer_holds_at_most_a_few_relayed_sessions_and_others_still_get_through(relay: Relay) -> None:
+    from node.pipeline.fallback import MAX_PER_PEER, PROTOCOL
+    from node.pipeline.relay_bridge import open_message
+
+    got: list[tuple[socket.socket, str]] = []
+    server = Fallback(relay.address, accept=lambda s, a: got.append((s, a)))
+    hostile, honest = Fallback(relay.address), Fallback(relay.address)
+    try:
+        honest_sock, _ = honest.dial(server.address, "warm-up", timeout_s=30)  # the circuit works
+        honest_sock.close()
+        circuit, peer = split_circuit(server.address)
+
+        async def flood() -> None:  # fresh sessions that never send a hello, never acknowledge anything
+            await hostile.p2p._client.connect(peer, [circuit])
+            for _ in range(3 * MAX_PER_PEER):
+                _, _, writer = await hostile.p2p.call_binary_stream_handler(peer, PROTOCOL)
+                writer.write(open_message(os.urandom(16), 0, resume=False))
+                await writer.drain()
+
+        hostile._loop.run(flood(), 30)
+        time.sleep(1)
+        mine = [p for p in server._remote.values() if p.to_base58() == hostile.peer_id]
+        assert len(mine) <= MAX_PER_PEER and server.refused >= 2 * MAX_PER_PEER
+        sock, session = honest.dial(server.address, "neighbour", timeout_s=30)
+        assert not session.closed
+        sock.close()
+    finally:
+        for f in (hostile, honest, server):
+            f.close()
+
+
+def test_a_node_dials_relayed_addresses_through_its_own_relay_only(relay: Relay) -> None:
+    from protocol.messages import Endpoint
+
+    client = Fallback(relay.address)
+    try:
+        elsewhere = "/ip4/10.9.8.7/tcp/4001/p2p/12D3KooWRqvQx6wHQikWoHHYxvk1b6VQeF3FjK9FtVtVntpRVokm"
+        with pytest.raises(ValueError, match="not reached through this node's relay"):
+            client.dial(f"{elsewhere}/p2p-circuit/p2p/{client.peer_id}", "x", timeout_s=1)
+    finally:
+        client.close()
+    for bad in (
+        "/ip4/10.0.0.1/tcp/1",
+        "not a multiaddr/p2p-circuit/p2p/x",
+        f"{relay.address}/p2p-circuit/p2p/",
+    ):
+        with pytest.raises(ValueError, match="is not RELAY_MULTIADDR/p2p-circuit/p2p/PEER_ID"):
+            Endpoint(peer_id="p", host="h", port=1, relay_addr=bad)

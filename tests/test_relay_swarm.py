@@ -17,6 +17,7 @@ from pathlib import Path
 import pytest
 
 from scripts.local_swarm import Swarm
+from tests.helpers.observability import chromium
 from tests.test_swarm import RUN_TOML, run_metrics, wait_until
 
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(400)]
@@ -76,6 +77,8 @@ def test_unreachable_nodes_train_over_the_relay_through_its_resets(tmp_path: Pat
 
         cells = wait_until(shown, 120, "the dashboard to show both nodes' relayed link")
         assert {c["relayed"][0] for c in cells} == set(peers) and not any(c["reachable"] for c in cells)
+        dom = chromium(f"{swarm.dashboard}?run={run_id}", "--virtual-time-budget=3000", "--dump-dom")
+        assert "relayed link to" in dom and "unreachable (NAT)" in dom, dom[-3000:]
 
         def finished() -> list[dict] | None:
             ms = run_metrics(swarm, run_id)

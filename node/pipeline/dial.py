@@ -9,7 +9,7 @@ import time
 from collections.abc import Callable
 from dataclasses import dataclass
 
-from node.pipeline.fallback import Fallback
+from node.pipeline.fallback import Fallback, FallbackError
 from node.pipeline.relay_bridge import BridgeSession
 from node.pipeline.transport import LinkError, connect
 from protocol.envelope import seal
@@ -53,7 +53,10 @@ def dial(
             f"{name} cannot be dialed (its pipeline port is unreachable) and this node has no relay: start it "
             "with --relay MULTIADDR (the relay `crucible-node bootstrap --relay-port` prints), without --no-relay"
         )
-    sock, session = fallback.dial(to.relay_addr, name, timeout_s=timeout_s)
+    try:
+        sock, session = fallback.dial(to.relay_addr, name, timeout_s=timeout_s)
+    except (FallbackError, ValueError) as e:  # a link that cannot open, like a refused TCP connect
+        raise LinkError(f"could not reach {name} through the relay: {e}") from e
     return sock, LinkRoute("relayed", session.address, session)
 
 

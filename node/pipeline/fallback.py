@@ -53,7 +53,11 @@ PROTOCOL = "/crucible/pipeline/1"
 OPEN_TIMEOUT_S = 10.0
 """A stream must state its session within this long."""
 MAX_SESSIONS = 64
-"""Relayed links a node serves at once (a pipeline stage has one upstream neighbour)."""
+"""Relayed links a node serves at once (a pipeline stage has one upstream neighbour; probes come and go)."""
+MAX_PER_PEER = 4
+"""Of them, from one libp2p peer."""
+MAX_OPENING = 32
+"""Streams still stating their session, at once."""
 
 
 class FallbackError(ConnectionError):
@@ -139,6 +143,7 @@ class Fallback:
         self.relay, self.accept = str(m), accept
         self.sessions: dict[bytes, BridgeSession] = {}
         self.refused = 0
+        self._opening = 0  # streams in _serve that have not stated their session yet
         """Streams refused before a session: a bad opening, a session id of another peer, too many."""
         self._remote: dict[bytes, PeerID] = {}
         self._local_ends: dict[int, BridgeSession] = {}  # fd of the socket handed to `accept` -> its session
@@ -187,21 +192,25 @@ class Fallback:
     # --- dialing --------------------------------------------------------------------------------
     def dial(self, address: str, name: str, *, timeout_s: float) -> tuple[socket.socket, BridgeSession]:
         """A local socket carried to the node at `address` (its advertised relayed address), retried until
-        timeout_s (the peer may still be reserving its slot), and the session behind it."""
+        timeout_s (the peer may still be reserving its slot), and the session behind it. Only through this
+        node's own relay: an advert naming another makes it dial nowhere (ValueError)."""
         circuit, peer = split_circuit(address)
+        if str(circuit) != f"{self.relay}/p2p-circuit":
+            raise ValueError(f"{address!r} is not reached through this node's relay {self.relay}")
         mine, theirs = socket.socketpair()
         sid = os.urandom(16)
 
         async def reconnect(recv_total: int, resume: bool = True) -> tuple[Stream, int, str]:
             await self.p2p._client.connect(peer, [circuit])
             info, reader, writer = await self.p2p.call_binary_stream_handler(peer, PROTOCOL)
-            writer.write(open_message(sid, recv_total, resume=resume))
-            await writer.drain()
-            return (
-                (reader, writer),
-                await asyncio.wait_for(read_reply(reader), OPEN_TIMEOUT_S),
-                str(info.addr),
-            )
+            try:
+                writer.write(open_message(sid, recv_total, resume=resume))
+                await writer.drain()
+                peer_recv = await asyncio.wait_for(read_reply(reader), OPEN_TIMEOUT_S)
+            except BaseException:  # a timeout, a cancellation, GONE: this stream carries nothing
+                writer.transport.abort()
+                raise
+            return (reader, writer), peer_recv, str(info.addr)
 
         async def first() -> BridgeSession:
             loop = asyncio.get_running_loop()
@@ -233,42 +242,61 @@ class Fallback:
 
     # --- serving --------------------------------------------------------------------------------
     async def _serve(self, info: Any, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        """A stream a peer opened: a new session (handed to `accept`) or a resume of its own. Bounded: at
+        most MAX_OPENING streams stating their session at once, MAX_PER_PEER sessions per libp2p peer (its
+        identity costs nothing, but a session without a valid hello ends when the acceptor refuses it)."""
+        if self._opening >= MAX_OPENING:
+            self.refused += 1
+            writer.transport.abort()
+            return
+        self._opening += 1
         try:
             sid, dialer_recv, resume = await asyncio.wait_for(read_open(reader), OPEN_TIMEOUT_S)
             session = self.sessions.get(sid)
             if session is None and resume:  # closed here meanwhile: the dialer must not wait for it
                 writer.write(reply_message(0, gone=True))
                 await writer.drain()
-                writer.close()
+                writer.transport.abort()
                 return
             if session is None:
-                if len(self.sessions) >= MAX_SESSIONS:
-                    raise BridgeError(f"{MAX_SESSIONS} relayed links already open")
-                mine, theirs = socket.socketpair()
-                session = BridgeSession(
-                    theirs, f"{info.peer_id.to_base58()[-8:]} (relayed)", on_close=self._closed
-                )
-                self.sessions[sid], self._remote[sid] = session, info.peer_id
-                writer.write(reply_message(0))
-                await writer.drain()
-                reading = session.attach((reader, writer), dialer_recv, str(info.addr))
-                assert self.accept is not None
-                self._local_ends[mine.fileno()] = session
-                self.accept(mine, str(info.addr))
+                reading = await self._new_session(info, sid, dialer_recv, (reader, writer))
             elif self._remote.get(sid) != info.peer_id:
                 raise BridgeError("a resume of another peer's session")
             else:
-                writer.write(reply_message(await session.received()))
+                writer.write(reply_message(session.received()))
+                generation = session.generation
                 await writer.drain()
+                if session.generation != generation:  # a newer resume attached meanwhile
+                    raise BridgeError("a resume overtaken by a newer one")
                 reading = session.attach((reader, writer), dialer_recv, str(info.addr))
         except (TimeoutError, BridgeError, asyncio.IncompleteReadError, OSError) as e:
             self.refused += 1
             log.warning("refused a relayed stream from %s: %s", info.peer_id, e or type(e).__name__)
-            with contextlib.suppress(Exception):
-                writer.close()
+            writer.transport.abort()
             return
-        with contextlib.suppress(Exception):
-            await reading  # the stream stays open while the session reads it
+        finally:
+            self._opening -= 1
+        if reading is not None:
+            with contextlib.suppress(Exception):
+                await reading  # the stream stays open while the session reads it
+
+    async def _new_session(
+        self, info: Any, sid: bytes, dialer_recv: int, stream: Stream
+    ) -> asyncio.Task[None] | None:
+        if len(self.sessions) >= MAX_SESSIONS:
+            raise BridgeError(f"{MAX_SESSIONS} relayed links already open")
+        if sum(1 for p in self._remote.values() if p == info.peer_id) >= MAX_PER_PEER:
+            raise BridgeError(f"{MAX_PER_PEER} relayed links already open from this peer")
+        mine, theirs = socket.socketpair()
+        session = BridgeSession(theirs, f"{info.peer_id.to_base58()[-8:]} (relayed)", on_close=self._closed)
+        self.sessions[sid], self._remote[sid] = session, info.peer_id
+        stream[1].write(reply_message(0))
+        await stream[1].drain()
+        reading = session.attach(stream, dialer_recv, str(info.addr))
+        assert self.accept is not None
+        self._local_ends[mine.fileno()] = session
+        self.accept(mine, str(info.addr))
+        return reading
 
     def session_of(self, sock: socket.socket) -> BridgeSession | None:
         """The session behind a socket this fallback handed to `accept`."""
@@ -360,7 +388,11 @@ class Relay:
             self.address = str(addrs[0]) if "/p2p/" in str(addrs[0]) else f"{addrs[0]}/p2p/{self.peer_id}"
             if not check:
                 return
-            self.resets_per_check = _resets_relaying(self.address)
+            try:
+                self.resets_per_check = _resets_relaying(self.address)
+            except Exception as e:  # the check's own fallbacks failed: count it as a bad start
+                log.debug("relay start %d: its check failed: %s", self.starts, e)
+                self.resets_per_check = -1
             if self.resets_per_check == 0 or self.starts == self.START_TRIES:
                 break
             log.debug(

@@ -6,7 +6,8 @@ request come from, at the port requested, and only with a signed bandwidth probe
 (node/pipeline/link_probe.py, 1 KiB): nobody can aim peers at a third party, and the asker's acceptor
 authenticates the dial like any other. A peer answers one request per asker per `PER_PEER_S` and
 `PER_MINUTE` in all. Like Petals, the node counts itself reachable when at least half of the peers that
-answered reached it; with no answer (the first node of a swarm) it asks again later.
+answered reached it; with no answer (the first node of a swarm) it asks again soon, and with one every
+RECHECK_KNOWN_S, other peers at random each time.
 
 An unreachable node logs what to open or forward, and falls back to relayed links (node/pipeline/
 fallback.py) when it has a relay: its advert then carries its relayed address, which placement puts in its
@@ -18,6 +19,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
+import random
 import socket
 import struct
 import threading
@@ -45,8 +47,12 @@ PROBE_BYTES = 1024
 DIAL_TIMEOUT_S = 5.0
 PER_PEER_S = 30.0
 PER_MINUTE = 20
+ASK_ALL_S = 30.0
+"""The whole check waits this long for answers at most (a node's start waits for it)."""
 RECHECK_S = 5.0
 """How soon a node with no verdict yet (no peer answered) asks again."""
+RECHECK_KNOWN_S = 600.0
+"""How often a node with a verdict asks again (a NAT or firewall changed; one busy answer is not final)."""
 REACHED, NOT_REACHED, REFUSED = b"\x01", b"\x00", b"\x02"
 _PORT = struct.Struct(">H")
 
@@ -156,10 +162,14 @@ class Reachability:
             return self.reachable
         me = self.identity.peer_id
         peers = [s.body.peer_id for s in nodes.values() if s.body.peer_id == s.signer_id != me]
-        peers = peers[: self.cfg.reachability_peers]
+        peers = random.sample(peers, min(len(peers), self.cfg.reachability_peers))  # not whoever lists first
         if not peers:
             return self.reachable
-        answers = self._loop.run(self._ask_all(peers), DIAL_TIMEOUT_S + 20.0)
+        try:
+            answers = self._loop.run(self._ask_all(peers), ASK_ALL_S + 10.0)
+        except Exception as e:  # the loop stopped (shutdown): no verdict this time
+            log.debug("reachability: no answers: %s", e)
+            return self.reachable
         answered = [a for a in answers if a in (REACHED, NOT_REACHED)]
         if not answered:
             return self.reachable
@@ -169,13 +179,18 @@ class Reachability:
         return self.reachable
 
     async def _ask_all(self, peers: list[str]) -> list[bytes]:
+        """The answers that came within ASK_ALL_S (a peer that never answers costs the wait, no more)."""
         two = asyncio.Semaphore(2)  # this node's port answers 2 probes at once (Acceptor.max_probes)
 
         async def ask(peer: str) -> bytes:
             async with two:
                 return await self._ask(peer)
 
-        return list(await asyncio.gather(*(ask(p) for p in peers)))
+        tasks = [asyncio.create_task(ask(p)) for p in peers]
+        done, pending = await asyncio.wait(tasks, timeout=ASK_ALL_S)
+        for t in pending:
+            t.cancel()
+        return [t.result() for t in done if not t.cancelled() and t.exception() is None]
 
     async def _ask(self, peer: str) -> bytes:
         try:
@@ -219,16 +234,21 @@ class Reachability:
             )
 
     def start(self, changed: Any) -> None:
-        """Re-ask every RECHECK_S until some peer answers; `changed()` after the verdict is known."""
+        """Ask again every RECHECK_S until some peer answers, then every RECHECK_KNOWN_S (other peers at
+        random each time, so a few hostile answers do not decide for good); `changed()` when it changes."""
 
         def loop() -> None:
-            while self.reachable is None and not self._stop.wait(RECHECK_S):
-                if self.check() is not None:
+            while not self._stop.wait(RECHECK_S if self.reachable is None else RECHECK_KNOWN_S):
+                before = self.reachable
+                try:
+                    self.check()
+                except Exception as e:  # the DHT briefly away: ask again next time
+                    log.debug("reachability: check failed: %s", e)
+                if self.reachable != before:
                     changed()
 
-        if self.reachable is None:
-            self._thread = threading.Thread(target=loop, name="reachability", daemon=True)
-            self._thread.start()
+        self._thread = threading.Thread(target=loop, name="reachability", daemon=True)
+        self._thread.start()
 
     def status(self) -> dict[str, object]:
         return {
@@ -252,5 +272,5 @@ def socket_for(fallback: Fallback | None, advert: NodeAdvert) -> socket.socket |
     """A relayed connection to an unreachable peer for a bandwidth probe; None when it is reachable."""
     if advert.reachable or not advert.relay_addr or fallback is None:
         return None
-    sock, _ = fallback.dial(advert.relay_addr, f"{advert.peer_id[-8:]} (probe)", timeout_s=10.0)
+    sock, _ = fallback.dial(advert.relay_addr, f"{advert.peer_id[-8:]} (probe)", timeout_s=5.0)
     return sock

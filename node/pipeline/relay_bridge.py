@@ -28,6 +28,7 @@ import contextlib
 import logging
 import socket
 import struct
+from collections import deque
 from collections.abc import Awaitable, Callable
 
 log = logging.getLogger(__name__)
@@ -39,6 +40,10 @@ ACK_EVERY = 1 << 18
 """Bytes received between two acknowledgements."""
 MAX_UNACKED = 64 << 20
 """Sent bytes kept for a resend at most; past it the local side stops reading (backpressure)."""
+MAX_INBOUND = 16 << 20
+"""Received bytes not yet written to the local socket at most; past it the stream is not read."""
+LINGER_S = 300.0
+"""A closed side waits this long without progress for the other side to acknowledge what it sent."""
 RESUME_S = 30.0
 """How long a session waits for a new stream after its stream broke."""
 _FRAME = struct.Struct(">cI")
@@ -86,7 +91,10 @@ class BridgeSession:
     """One pipeline link's bytes between a local socket and a sequence of libp2p streams (module docstring).
 
     `reconnect` (dialing side only) opens a new stream and exchanges the opening: it returns the stream,
-    what the other side received and the stream's remote address. The server side waits for the dialer to come back instead."""
+    what the other side received and the stream's remote address. The server side waits for the dialer
+    to come back instead. Bytes received are counted when they are taken off the stream into a bounded
+    inbound buffer, and written to the local socket by a task of their own: a stage that is slow to read
+    holds the stream back (backpressure) but never a resume's count."""
 
     def __init__(
         self,
@@ -103,18 +111,25 @@ class BridgeSession:
         self.sent = bytearray()  # sent bytes not yet acknowledged, from offset sent_base
         self.sent_base = 0
         self.recv_total = 0
+        self.generation = 0
+        """Streams attached so far; a resume that finds another attached since it began drops its own."""
         self.resumes = 0
         """Streams after the first: how often the session survived a reset."""
         self.address = ""
         """The current stream's remote multiaddr (a /p2p-circuit one when relayed)."""
         self.closed = False
         self._closing = False  # the local side closed: the session ends once the other side has it all
+        self._peer_closed = False  # the other side's close arrived: deliver what is buffered, then end
         self._stream: Stream | None = None
-        self._room = asyncio.Event()  # set while the buffer has room
+        self._room = asyncio.Event()  # set while the resend buffer has room
         self._room.set()
+        self._inbound: deque[bytes] = deque()  # received, counted, not yet written to the local socket
+        self._inbound_bytes = 0
+        self._inbound_room, self._inbound_ready = asyncio.Event(), asyncio.Event()
+        self._inbound_room.set()
         self._unacked_in = 0
-        self._delivering = asyncio.Lock()  # held while bytes go to the local socket and are counted
-        self._local_task: asyncio.Task[None] | None = None
+        self._progress_at = 0.0  # loop time of the last attach or advancing ack
+        self._tasks: list[asyncio.Task[None]] = []  # the local pump and the deliverer
         self._down_task: asyncio.Task[None] | None = None
 
     @property
@@ -122,24 +137,37 @@ class BridgeSession:
         return self.sent_base + len(self.sent)
 
     # --- streams --------------------------------------------------------------------------------
-    def attach(self, stream: Stream, peer_recv: int, address: str) -> asyncio.Task[None]:
+    def received(self) -> int:
+        """What this side received, for a resume: the current stream (if any) is dropped first, so no byte
+        of it is counted after this."""
+        if self._stream is not None:
+            self._drop_stream(self._stream)
+        return self.recv_total
+
+    def attach(self, stream: Stream, peer_recv: int, address: str) -> asyncio.Task[None] | None:
         """Carry the session over `stream` from now, the other side having received `peer_recv` bytes:
-        the bytes it lacks are sent first, then new ones. Returns the task reading the stream, which ends
-        when the stream is dropped."""
-        if not self.sent_base <= peer_recv <= self.sent_total:
-            self.close(
-                f"the other side claims {peer_recv} bytes received, outside {self.sent_base}..{self.sent_total}"
-            )
+        the bytes it lacks are sent first, then new ones. Returns the task reading the stream (it ends when
+        the stream is dropped), or None when the stream was not taken (the session closed, or the opening
+        is older than one already attached)."""
+        if self.closed or peer_recv < self.sent_base:  # closed meanwhile, or a stale resume: not this one
+            _abort(stream)
+            return None
+        if peer_recv > self.sent_total:
+            _abort(stream)
+            self.close(f"the other side claims {peer_recv} bytes received, past the {self.sent_total} sent")
             raise BridgeError(f"impossible resume offset {peer_recv}")
         if self._stream is not None:  # a resume that raced the old stream's failure
             self._drop_stream(self._stream)
-        elif self._local_task is not None:
+        if self.generation:
             self.resumes += 1
+        self.generation += 1
         self._ack(peer_recv)
-        if self._down_task is not None:
+        if self._down_task is not None and self._down_task is not asyncio.current_task():
             self._down_task.cancel()
-            self._down_task = None
+        self._down_task = None
         self._stream, self.address = stream, address
+        loop = asyncio.get_running_loop()
+        self._progress_at = loop.time()
         writer = stream[1]
         view = memoryview(self.sent)
         for i in range(0, len(view), CHUNK):
@@ -147,29 +175,22 @@ class BridgeSession:
         view.release()
         if self._closing:
             writer.write(self._close_frame())
-        reading = asyncio.get_running_loop().create_task(self._pump_stream(stream))
-        if self._local_task is None:
-            self._local_task = asyncio.get_running_loop().create_task(self._pump_local())
+        reading = loop.create_task(self._pump_stream(stream))
+        if not self._tasks:
+            self._tasks = [loop.create_task(self._pump_local()), loop.create_task(self._deliver())]
         return reading
-
-    async def received(self) -> int:
-        """What this side received, for a resume: the current stream (if any) is dropped first, and a
-        delivery in flight is finished and counted, so no byte of the old stream arrives after this."""
-        async with self._delivering:
-            if self._stream is not None:
-                self._drop_stream(self._stream)
-            return self.recv_total
 
     def _drop_stream(self, stream: Stream) -> None:
         if self._stream is stream:
             self._stream = None
-        with contextlib.suppress(Exception):
-            stream[1].close()
+        _abort(stream)  # not close(): a half-dead stream must not hold a flush up
 
     def _lost(self, stream: Stream, why: object) -> None:
         if self._stream is not stream or self.closed:
             return
         self._drop_stream(stream)
+        if self._peer_closed:  # the other side closed and has its acknowledgement: nothing to resume
+            return
         log.info("relayed link %s: stream lost (%s); resuming", self.name, why)
         if self._down_task is None:
             self._down_task = asyncio.get_running_loop().create_task(self._while_down())
@@ -185,7 +206,7 @@ class BridgeSession:
                 continue
             try:
                 stream, peer_recv, address = await asyncio.wait_for(
-                    self.reconnect(await self.received()), max(0.1, deadline - loop.time())
+                    self.reconnect(self.received()), max(0.1, deadline - loop.time())
                 )
             except SessionGone as e:
                 last = e
@@ -194,11 +215,10 @@ class BridgeSession:
                 last = e
                 await asyncio.sleep(0.25)
                 continue
-            self._down_task = None  # attach() must not cancel the task it runs in
             try:
                 self.attach(stream, peer_recv, address)
             except BridgeError:
-                return
+                pass
             return
         if not self.closed:
             self.close(f"no new stream within {self.resume_s:.0f} s ({last})")
@@ -221,11 +241,14 @@ class BridgeSession:
         if total > self.sent_base:
             del self.sent[: min(total - self.sent_base, len(self.sent))]
             self.sent_base = total
+            self._progress_at = asyncio.get_running_loop().time()
         if len(self.sent) < MAX_UNACKED:
             self._room.set()
+        if self._closing and not self.sent:  # the other side has everything: done
+            self.close("closed by this side")
 
     async def _pump_local(self) -> None:
-        """Local socket -> buffer (and the current stream)."""
+        """Local socket -> resend buffer (and the current stream)."""
         loop = asyncio.get_running_loop()
         while not self.closed:
             await self._room.wait()
@@ -234,12 +257,8 @@ class BridgeSession:
             except OSError as e:
                 self.close(f"local socket failed: {e}")
                 return
-            if not data:  # the Link closed: deliver what it sent, then the other side's Link closes too
-                self._closing = True
-                self._send(self._close_frame())  # again after a resume (attach), until acknowledged
-                await asyncio.sleep(self.resume_s)
-                self.close("the other side never acknowledged the close")
-                return
+            if not data:
+                break
             self.sent += data
             if len(self.sent) >= MAX_UNACKED:
                 self._room.clear()
@@ -250,23 +269,43 @@ class BridgeSession:
                     await stream[1].drain()
                 except Exception as e:
                     self._lost(stream, e)
+        if self.closed:
+            return
+        if self.sent_total == 0 and self.reconnect is None:
+            # a served session whose acceptor never answered (a refused hello): nothing to deliver
+            self.close("refused by this side")
+            return
+        # the Link closed: deliver what it sent, then the other side's Link closes too. The session ends on
+        # the acknowledgement, when its stream stays down for resume_s (_while_down), or after LINGER_S
+        # without progress (a peer that stopped reading for good)
+        self._closing = True
+        self._send(self._close_frame())  # again after a resume (attach), until acknowledged
+        while not self.closed:
+            await asyncio.sleep(1.0)
+            if loop.time() - self._progress_at > LINGER_S:
+                self.close(f"the other side acknowledged nothing for {LINGER_S:.0f} s after the close")
 
     async def _pump_stream(self, stream: Stream) -> None:
-        """Stream -> local socket, acknowledging; acknowledgements and the close from the other side."""
-        loop = asyncio.get_running_loop()
+        """Stream -> inbound buffer, acknowledging; acknowledgements and the close from the other side."""
         reader = stream[0]
         try:
             while not self.closed and self._stream is stream:
+                await self._inbound_room.wait()  # backpressure: a local side that lags holds the stream
+                if self._stream is not stream:
+                    return
                 kind, n = _FRAME.unpack(await reader.readexactly(_FRAME.size))
                 if kind == b"D":
                     if not 0 < n <= CHUNK:
                         raise BridgeError(f"data frame of {n} bytes (1..{CHUNK} allowed)")
                     data = await reader.readexactly(n)
-                    async with self._delivering:  # a resume counts what was received after this
-                        if self._stream is not stream:  # replaced meanwhile: the peer resends it
-                            return
-                        await loop.sock_sendall(self.local, data)
-                        self.recv_total += n
+                    if self._stream is not stream:  # replaced meanwhile: the peer resends it
+                        return
+                    self._inbound.append(data)  # counted with no await between: what a resume states
+                    self._inbound_bytes += n
+                    self.recv_total += n
+                    self._inbound_ready.set()
+                    if self._inbound_bytes >= MAX_INBOUND:
+                        self._inbound_room.clear()
                     self._unacked_in += n
                     if self._unacked_in >= ACK_EVERY:
                         self._unacked_in = 0
@@ -280,10 +319,7 @@ class BridgeSession:
                     if self._stream is not stream:
                         return
                     self._ack(total)  # an older ack than a resume's offset changes nothing
-                    if self._closing and not self.sent:  # the other side has everything: done
-                        self.close("closed by this side")
-                        return
-                elif kind == b"C":  # after every data frame it covers: all of it was delivered
+                elif kind == b"C":  # after every data frame it covers: all of it was received
                     if n != _U64.size:
                         raise BridgeError(f"close frame of {n} bytes ({_U64.size} expected)")
                     (total,) = _U64.unpack(await reader.readexactly(n))
@@ -292,29 +328,43 @@ class BridgeSession:
                     if total != self.recv_total:
                         raise BridgeError(f"closed at {total} bytes sent, {self.recv_total} received")
                     self._send(_FRAME.pack(b"A", _U64.size) + _U64.pack(self.recv_total))
-                    with contextlib.suppress(Exception):
-                        await asyncio.wait_for(stream[1].drain(), 5.0)
-                    self.close("closed by the other side")
-                    return
+                    self._peer_closed = True  # the deliverer ends the session once the buffer is out
+                    self._inbound_ready.set()
                 else:
                     raise BridgeError(f"unknown frame kind {kind!r}")
         except BridgeError as e:
             log.warning("relayed link %s: %s; closing", self.name, e)
             self.close(str(e))
-        except (asyncio.IncompleteReadError, ConnectionError, OSError) as e:
-            self._lost(stream, e or type(e).__name__)
         except asyncio.CancelledError:
             raise
-        except Exception as e:  # the libp2p client may raise its own errors on a reset stream
+        except Exception as e:  # IncompleteReadError, OSError, the libp2p client's own errors on a reset
             self._lost(stream, e)
+
+    async def _deliver(self) -> None:
+        """Inbound buffer -> local socket, in order; after the other side's close, ends the session."""
+        loop = asyncio.get_running_loop()
+        while not self.closed:
+            if not self._inbound:
+                if self._peer_closed:
+                    self.close("closed by the other side")
+                    return
+                self._inbound_ready.clear()
+                await self._inbound_ready.wait()
+                continue
+            data = self._inbound.popleft()
+            try:
+                await loop.sock_sendall(self.local, data)
+            except OSError as e:
+                self.close(f"local socket failed: {e}")
+                return
+            self._inbound_bytes -= len(data)
+            if self._inbound_bytes < MAX_INBOUND:
+                self._inbound_room.set()
 
     def cut(self) -> None:
         """Reset the current stream, as a relay at its limit would (tests, benchmarks)."""
         if self._stream is not None:
-            stream = self._stream
-            with contextlib.suppress(Exception):
-                stream[1].transport.abort()
-            self._lost(stream, "cut")
+            self._lost(self._stream, "cut")
 
     def close(self, why: str = "closed") -> None:
         if self.closed:
@@ -323,11 +373,22 @@ class BridgeSession:
         log.debug("relayed link %s closed: %s", self.name, why)
         if self._stream is not None:
             self._drop_stream(self._stream)
+        current = asyncio.current_task()
+        for task in (self._down_task, *self._tasks):
+            if task is not None and task is not current:
+                task.cancel()
+        for event in (self._room, self._inbound_room, self._inbound_ready):
+            event.set()
+        # after the cancelled tasks let go of the socket (a pending sock_recv is unregistered then)
+        asyncio.get_running_loop().call_soon(self._close_local)
+        self.on_close(self)
+
+    def _close_local(self) -> None:
         with contextlib.suppress(OSError):
             self.local.shutdown(socket.SHUT_RDWR)
         self.local.close()
-        self._room.set()
-        for task in (self._down_task, self._local_task):
-            if task is not None and task is not asyncio.current_task():
-                task.cancel()
-        self.on_close(self)
+
+
+def _abort(stream: Stream) -> None:
+    with contextlib.suppress(Exception):
+        stream[1].transport.abort()

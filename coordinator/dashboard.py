@@ -316,7 +316,7 @@ function render() {
         + (c.expert_load && Object.keys(c.expert_load).length  // MoE: max/mean tokens per expert, by layer
           ? `\nexpert load ${Object.entries(c.expert_load).map(([l, v]) => `L${l} ${fmt(v, 2)}`).join(" ")}` : "")
         + (c.relayed && c.relayed.length ? `\nrelayed link to ${c.relayed.map(short).join(", ")}` : "")
-        + (c.reachable === false ? "\nunreachable (NAT)" : "");
+        + (c.reachable === false ? `\nunreachable (NAT)` : "");
       const td = el("td", `${short(c.peer_id)} ${c.device}\\n${what}` + (c.error ? `\\n${c.error}` : ""), "cell " + c.state.split(" ")[0]);
       td.style.whiteSpace = "pre"; tr.appendChild(td);
     }

@@ -229,8 +229,8 @@ class Reachability:
             )
         else:
             log.warning(
-                "reachability: no relay (--relay MULTIADDR, without --no-relay): only a first stage, which "
-                "nobody dials, can be placed here"
+                "reachability: no relay (--relay MULTIADDR, without --no-relay): placed on any stage but the "
+                "first, this node's upstream neighbour cannot connect to it and the replica fails"
             )
 
     def start(self, changed: Any) -> None:

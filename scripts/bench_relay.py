@@ -338,8 +338,18 @@ def main(argv: list[str] | None = None) -> None:
         action="store_true",
         help="use the relay's first start as it comes (most reset circuits every ~64 KB: see Relay)",
     )
+    ap.add_argument(
+        "--check", action="store_true", help="validate the flags, print one JSON line, start and time nothing"
+    )
     args = ap.parse_args(argv)
     RELAY_CHECK[0] = not args.no_relay_check
+    if min(args.frame_kib, args.total_mib, args.repeats, args.cut_every_mib) < 1 or args.replica_steps < 0:
+        ap.error(
+            "--frame-kib, --total-mib, --repeats and --cut-every-mib must be at least 1, --replica-steps 0 or more"
+        )
+    if args.check:
+        print(json.dumps({"check": "ok", "bench": "relay", "relay_checked": RELAY_CHECK[0]}))
+        return
     logging.basicConfig(level=logging.WARNING, stream=sys.stderr)
     # asyncio warns on every write to a stream the relay just reset (the bridge resumes on a new one): one
     # line per write, thousands a run; the resumes are counted and reported instead

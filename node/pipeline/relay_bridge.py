@@ -2,7 +2,7 @@
 
 A relayed link (node/pipeline/fallback.py) is a libp2p stream through a circuit relay, and a relay resets
 each relayed connection past its byte and time limits (hivemind 1.1.12's p2pd: 4 GiB per direction and
-30 min). The pipeline must not see that: a `Link` (node/pipeline/transport.py) reads and writes one end of
+30 min, or 128 KiB and 2 min when go-libp2p's default relay service won the race at its start: `Relay`). The pipeline must not see that: a `Link` (node/pipeline/transport.py) reads and writes one end of
 a local socket pair, and a `BridgeSession` carries the other end's bytes over whichever stream is up.
 
 Each side numbers the bytes it sent (`sent_total`) and received (`recv_total`) on the session. Sent bytes

@@ -29,6 +29,12 @@ memory (`free_memory_gb > 0`) is only put on a stage that fits it (`protocol.mem
 free memory). The search keeps enough fitting nodes back for the stages fewest nodes can hold; if it
 still runs short, slots are matched by Kuhn's augmenting paths over the same ranking, so a placement is
 found whenever one exists.
+
+Reachability. Each link is dialed by its upstream stage, so a node on a stage > 0 must take inbound
+connections: one whose reachability check failed (`NodeAdvert.reachable` false, node/pipeline/reachability.py)
+is placed there only when it named a relay (`relay_addr`: its upstream neighbour dials it through the relay),
+and otherwise only on a replica's first stage, which dials and is never dialed. The fitter checks both
+rules, so the search, the matching and the repair of holes all keep them.
 """
 
 from __future__ import annotations
@@ -87,14 +93,22 @@ def _need_of(need_bytes: NeedBytes, a: NodeAdvert, stage: int) -> int:
     return need_bytes[stage]
 
 
+def dialable(a: NodeAdvert) -> bool:
+    """Whether an upstream neighbour can open a pipeline link to `a`: directly, or through its relay."""
+    return a.reachable or bool(a.relay_addr)
+
+
 def _fitter(need_bytes: NeedBytes | None, stages: int) -> Callable[[NodeAdvert, int], bool]:
-    """fit(advert, stage): the advert's free memory holds the stage (unknown free memory always does)."""
+    """fit(advert, stage): the advert's free memory holds the stage (unknown free memory always does), and
+    a stage > 0 is only given to a node its upstream neighbour can dial (`dialable`)."""
     if need_bytes is not None:
         lists = need_bytes.values() if isinstance(need_bytes, Mapping) else [need_bytes]
         if any(len(n) != stages for n in lists):
             raise ValueError(f"need_bytes must give one figure per stage ({stages})")
 
     def fit(a: NodeAdvert, stage: int) -> bool:
+        if stage > 0 and not dialable(a):
+            return False
         if need_bytes is None or a.free_memory_gb <= 0:
             return True
         return fits(_need_of(need_bytes, a, stage), int(a.free_memory_gb * GB)) is None
@@ -154,11 +168,27 @@ def _shortfall(
     what: str,
     slots: list[Slot],
     ranked: list[NodeAdvert],
-    need_bytes: NeedBytes,
+    need_bytes: NeedBytes | None,
     fit_fn: Callable[[NodeAdvert, int], bool],
 ) -> PlacementError:
-    """The error when the nodes are there but their memory is not: how many fit, what the biggest stage needs."""
+    """The error when the nodes are there but do not fit their slots: too little memory (how many fit,
+    what the biggest stage needs) or too few reachable for the stages that are dialed."""
     stages = sorted({s for _, s in slots})
+    later = [s for s in stages if s > 0]
+    closed = [a for a in ranked if not dialable(a)]
+    dialed = sum(s > 0 for _, s in slots)
+    if later and closed and len(ranked) - len(closed) < dialed:
+        return PlacementError(
+            f"{what}: {len(closed)} of {len(ranked)} free nodes are not reachable (behind NAT, with no relay), "
+            f"so they can only take a replica's first stage; {dialed} slot(s) on later stages need a node its "
+            f"upstream neighbour can dial, and {len(ranked) - len(closed)} can be: open or forward those "
+            "nodes' pipeline port (or --announce-host/--announce-port), or start them with --relay"
+        )
+    if need_bytes is None:  # every node fits every stage's memory: the reachable ones ran out elsewhere
+        return PlacementError(
+            f"{what}: no placement gives every later stage a reachable node ({len(closed)} of "
+            f"{len(ranked)} free nodes are behind NAT with no relay): open their pipeline port or use --relay"
+        )
     lists = dict(need_bytes) if isinstance(need_bytes, Mapping) else {"": need_bytes}
     big = max(stages, key=lambda s: max(n[s] for n in lists.values()))
     need_big = " or ".join(f"{n[big] / GB:.1f} GB" + (f" in {p}" if p else "") for p, n in lists.items())
@@ -169,6 +199,7 @@ def _shortfall(
         f"{what}: only {n_any} of {len(ranked)} free nodes have the free memory for a stage; the biggest, "
         f"stage {big}, needs {need_big} and {n_big} node(s) fit it ({wanted} needed): use more stages, "
         "fewer microbatches in flight, or nodes with more memory"
+        + (f" ({len(closed)} node(s) behind NAT with no relay can only take a first stage)" if closed else "")
     )
 
 
@@ -572,8 +603,7 @@ def place(
             if matched is not None:
                 idx = {a.peer_id: i for i, a in enumerate(candidates)}
                 chains = [tuple(idx[matched[(r, s)]] for s in range(stages)) for r in range(replicas)]
-    if chains is None:
-        assert need_bytes is not None  # without a memory check every node fits every slot
+    if chains is None:  # memory or reachability leave some slot without a node
         order_slots = [(r, s) for s in range(stages) for r in range(replicas)]
         raise _shortfall(
             f"need {need} nodes for {replicas} replicas x {stages} stages",
@@ -638,7 +668,6 @@ def repair(
     R = 1 + max(r for r, _ in current.slots)
     fit = _fitter(need_bytes, S)
     if _match(holes, pool, fit) is None:
-        assert need_bytes is not None
         raise _shortfall(f"{len(holes)} slot(s) lost their node", holes, pool, need_bytes, fit)
     cost = cost or CostModel.default(S)
     survivors = [a for p, a in (adverts or {}).items() if p in alive and p in set(slots.values())]

@@ -138,6 +138,50 @@ def test_repair_refills_holes_with_nodes_that_fit() -> None:
     assert repair(current, {"a", "b", "c", "d"}, free) == (current, set())
 
 
+def test_a_node_behind_nat_without_a_relay_only_takes_a_first_stage() -> None:
+    """Links are dialed by the upstream stage: a node nobody can dial (its reachability check failed, no
+    relay) is placed only where it dials, on a replica's first stage; with a relay it may take any stage."""
+    fast_nat = dataclasses.replace(_node("nat", 500.0), reachable=False)
+    nodes = [fast_nat, _node("a", 200.0), _node("b", 100.0), _node("c", 50.0)]
+    pl = place(nodes, replicas=1, stages=3)  # the fastest node would pace the last stage (the LM head)
+    assert pl.peer(0, 0) == "nat" and set(pl.slots.values()) <= {"nat", "a", "b", "c"}
+    pl = place(nodes, replicas=2, stages=2)
+    assert fast_nat.peer_id in {pl.peer(0, 0), pl.peer(1, 0)}
+    relayed = dataclasses.replace(
+        fast_nat, relay_addr="/ip4/127.0.0.1/tcp/4001/p2p/QmRelay/p2p-circuit/p2p/QmNat"
+    )
+    assert place([relayed, *nodes[1:]], replicas=1, stages=3).peer(0, 2) == "nat"
+    # in the exact search, the greedy one and the memory matching alike
+    many = [dataclasses.replace(_node(f"nat{i}", 500.0 - i), reachable=False) for i in range(40)]
+    pl = place([*many, *[_node(f"ok{i}", 10.0 - i / 10) for i in range(8)]], replicas=8, stages=2)
+    assert all(pl.peer(r, 1).startswith("ok") for r in range(8))
+    assert all(pl.peer(r, 0).startswith("nat") for r in range(8))
+    tight = [dataclasses.replace(a, free_memory_gb=40.0) for a in many[:6]] + [_node("big", 1.0, 80.0)]
+    pl = place(tight, replicas=1, stages=2, need_bytes=[5 * GB, 50 * GB])
+    assert pl.peer(0, 1) == "big"
+
+
+def test_too_few_reachable_nodes_say_what_to_open() -> None:
+    nodes = [dataclasses.replace(_node(f"nat{i}", 100.0), reachable=False) for i in range(3)] + [
+        _node("ok", 1.0)
+    ]
+    with pytest.raises(PlacementError) as e:
+        place(nodes, replicas=2, stages=2)
+    msg = str(e.value)
+    assert "3 of 4 free nodes are not reachable (behind NAT, with no relay)" in msg
+    assert "2 slot(s) on later stages need a node its upstream neighbour can dial, and 1 can be" in msg
+    assert "--relay" in msg and "pipeline port" in msg
+    assert place(nodes, replicas=1, stages=2).peer(0, 1) == "ok"
+    # a hole on a later stage is refilled only with a node that can be dialed
+    current = Placement({(0, 0): "x", (0, 1): "y"})
+    new, holes = repair(current, {"x"}, nodes)
+    assert holes == {(0, 1)} and new.peer(0, 1) == "ok"
+    with pytest.raises(PlacementError, match="not reachable"):
+        repair(current, {"x"}, nodes[:3])
+    new, _ = repair(current, {"y"}, nodes[:3])  # a first stage may be behind NAT
+    assert new.peer(0, 0).startswith("nat")
+
+
 def test_a_thousand_candidates_place_quickly() -> None:
     """Only 150 nodes hold the last stage; dealt in order, stages 0-6 take 140 of them, so 10 of the 20
     last-stage slots take theirs back through augmenting paths."""

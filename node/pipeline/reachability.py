@@ -11,7 +11,8 @@ RECHECK_KNOWN_S, other peers at random each time.
 
 An unreachable node logs what to open or forward, and falls back to relayed links (node/pipeline/
 fallback.py) when it has a relay: its advert then carries its relayed address, which placement puts in its
-upstream neighbour's assignment.
+upstream neighbour's assignment. Without one, placement gives it only a replica's first stage
+(coordinator/placement.py `dialable`).
 """
 
 from __future__ import annotations
@@ -229,8 +230,8 @@ class Reachability:
             )
         else:
             log.warning(
-                "reachability: no relay (--relay MULTIADDR, without --no-relay): placed on any stage but the "
-                "first, this node's upstream neighbour cannot connect to it and the replica fails"
+                "reachability: no relay (--relay MULTIADDR, without --no-relay): placement gives this node "
+                "only a replica's first stage, which dials its neighbour and is never dialed"
             )
 
     def start(self, changed: Any) -> None:

@@ -58,7 +58,7 @@ class DenseCodec(FragmentCodec):
     def load_state(self, state: dict[str, torch.Tensor]) -> None:
         pass
 
-    def restore(self, fid: FragmentId, unsent: list[torch.Tensor]) -> None:
+    def restore(self, fid: FragmentId, unsent: list[torch.Tensor], *, whole: bool = False) -> None:
         """DiLoCo keeps no error feedback: a pseudo-gradient that did not land is dropped."""
 
     def residual(self, group: int, fragment: int) -> list[torch.Tensor]:

@@ -98,8 +98,9 @@ class FragmentCodec(Protocol):
         allows) and decode; raise ProtocolError."""
         ...
 
-    def restore(self, fid: FragmentId, unsent: list[torch.Tensor]) -> None:
-        """Our upload of `fid` did not land: keep `unsent` (what encode returned) for a later round."""
+    def restore(self, fid: FragmentId, unsent: list[torch.Tensor], *, whole: bool = False) -> None:
+        """Our upload of `fid` did not land: keep `unsent` (what encode returned) for a later round
+        (`whole`: all of it in the next encode, not decayed as error feedback decays)."""
         ...
 
     def residual(self, group: int, fragment: int) -> list[torch.Tensor]:

@@ -192,13 +192,13 @@ class PairMixer:
         it is skipped (our Delta part then goes back to error feedback)."""
         me = self.replica
         for unsent in ex.unsent:
-            self.codec.restore(fid, unsent)
+            self.codec.restore(fid, unsent, whole=True)
         # ours in the set and nothing unsent: that is our fresh message (after a restart the set holds the
         # bytes our key already had, and the fresh one comes back in `unsent`, restored above)
         ours_fresh = me in ex.contribs and not ex.unsent
         if set(ex.contribs) != {me, p}:
             if ours_fresh:
-                self.codec.restore(fid, ex.contribs[me])
+                self.codec.restore(fid, ex.contribs[me], whole=True)
             with self.lock:
                 self.stats.missing += 1
             log.info(
@@ -229,7 +229,7 @@ class PairMixer:
         )
         if result is None:
             if ours_fresh:
-                self.codec.restore(fid, ex.contribs[me])
+                self.codec.restore(fid, ex.contribs[me], whole=True)
             if rejected and all(isinstance(r, Disagreement) for r in rejected):
                 with self.lock:
                     self.stats.disagreed += 1
@@ -262,7 +262,7 @@ class PairMixer:
         the exchange, and both restart the pair from the same base, zero (the next anchor differences are
         then whole anchors; what their compression leaves stays in each anchor, as always)."""
         if ours_fresh:
-            self.codec.restore(fid, ex.contribs[self.replica])
+            self.codec.restore(fid, ex.contribs[self.replica], whole=True)
         key = (fid.stage, fid.fragment, p)
         self.bases[key] = [torch.zeros_like(b) for b in self.bases[key]]
         self.base_round[key] = fid.round

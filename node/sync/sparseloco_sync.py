@@ -142,14 +142,17 @@ class SparseLoCoCodec(FragmentCodec):
             e[g, f].append(state[key].float().clone())
         self.e = e
 
-    def restore(self, fid: FragmentId, unsent: list[torch.Tensor]) -> None:
+    def restore(self, fid: FragmentId, unsent: list[torch.Tensor], *, whole: bool = False) -> None:
         """e_f += decode(c): a contribution nobody received is sent again in a later round (of a pair's
-        message, its Delta part: the anchor difference's residual is in the anchor)."""
+        message, its Delta part: the anchor difference's residual is in the anchor). The next encode
+        scales e_f by beta, so a restored c goes out as beta c; `whole` restores c / beta instead, so the
+        next encode starts from c itself (a butterfly exchange both ends skipped loses nothing of it)."""
         e_f = self.e[fid.stage, fid.fragment]
         if len(unsent) not in (len(e_f), 2 * len(e_f), 2 * len(e_f) + 1):  # a pair message: + its base tag
             raise ValueError(f"{len(unsent)} tensors to restore into {len(e_f)} error-feedback buffers")
+        scale = 1.0 / self.cfg.beta if whole and self.cfg.beta > 0 else 1.0
         for e, u in zip(e_f, unsent[: len(e_f)], strict=True):
-            e.add_(u.to(e.device))
+            e.add_(u.to(e.device), alpha=scale)
 
     def residual(self, group: int, fragment: int) -> list[torch.Tensor]:
         """e_f: the error feedback the next encode of the group's `fragment` starts from (in place)."""

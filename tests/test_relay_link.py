@@ -211,6 +211,17 @@ def test_a_replica_cut_again_and_again_ends_with_the_weights_of_an_uncut_one(rel
         server.close()
 
 
+def test_an_unreachable_verdict_is_checked_again_within_a_minute_then_less_often() -> None:
+    """Placement keeps an unreachable node without a relay off the dialed stages, so a wrong verdict (busy
+    peers) must not stand for the ten minutes a reachable one does."""
+    from node.pipeline.reachability import RECHECK_KNOWN_S, RECHECK_S, recheck_s
+
+    assert recheck_s(None, 0) == RECHECK_S
+    assert recheck_s(True, 0) == RECHECK_KNOWN_S
+    waits = [recheck_s(False, n) for n in range(8)]
+    assert waits[:5] == [60.0, 60.0, 120.0, 240.0, 480.0] and waits[5:] == [RECHECK_KNOWN_S] * 3
+
+
 def test_dial_backs_are_rate_limited_per_asker_and_in_all() -> None:
     from node.pipeline.reachability import PER_MINUTE, PER_PEER_S, DialbackServer
 

@@ -54,6 +54,10 @@ RECHECK_S = 5.0
 """How soon a node with no verdict yet (no peer answered) asks again."""
 RECHECK_KNOWN_S = 600.0
 """How often a node with a verdict asks again (a NAT or firewall changed; one busy answer is not final)."""
+RECHECK_UNREACHABLE_S = 60.0
+"""How soon a node found unreachable asks again, doubling each time up to RECHECK_KNOWN_S: placement keeps
+it off the stages that are dialed, so a wrong verdict (peers' probes timed out on a loaded host) must not
+last ten minutes."""
 REACHED, NOT_REACHED, REFUSED = b"\x01", b"\x00", b"\x02"
 _PORT = struct.Struct(">H")
 
@@ -118,6 +122,17 @@ class DialbackServer:
             except ValueError:
                 return False
         return False
+
+
+def recheck_s(reachable: bool | None, unreachable: int) -> float:
+    """The wait before the next check: RECHECK_S without a verdict; RECHECK_UNREACHABLE_S, doubling after
+    each of `unreachable` "not reachable" verdicts in a row past the first, while not reachable;
+    RECHECK_KNOWN_S once reachable (or once the doubling reaches it)."""
+    if reachable is None:
+        return RECHECK_S
+    if reachable is False:
+        return min(RECHECK_KNOWN_S, RECHECK_UNREACHABLE_S * 2 ** max(unreachable - 1, 0))
+    return RECHECK_KNOWN_S
 
 
 class Reachability:
@@ -235,16 +250,19 @@ class Reachability:
             )
 
     def start(self, changed: Any) -> None:
-        """Ask again every RECHECK_S until some peer answers, then every RECHECK_KNOWN_S (other peers at
-        random each time, so a few hostile answers do not decide for good); `changed()` when it changes."""
+        """Ask again every RECHECK_S until some peer answers, then every RECHECK_KNOWN_S, sooner while not
+        reachable (`recheck_s`; other peers at random each time, so a few hostile or busy answers do not
+        decide for good); `changed()` when it changes."""
 
         def loop() -> None:
-            while not self._stop.wait(RECHECK_S if self.reachable is None else RECHECK_KNOWN_S):
+            unreachable = 0  # verdicts "not reachable" in a row
+            while not self._stop.wait(recheck_s(self.reachable, unreachable)):
                 before = self.reachable
                 try:
                     self.check()
                 except Exception as e:  # the DHT briefly away: ask again next time
                     log.debug("reachability: check failed: %s", e)
+                unreachable = unreachable + 1 if self.reachable is False else 0
                 if self.reachable != before:
                     changed()
 

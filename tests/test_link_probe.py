@@ -16,6 +16,7 @@ from protocol.envelope import seal
 from protocol.framing import encode_frame
 from protocol.identity import Identity
 from protocol.messages import Hello
+from tests.test_swarm import wait_until
 
 PROBER = Identity.from_seed(b"\x01" * 32)
 K_RUN = """\
@@ -144,7 +145,6 @@ def test_nodes_advertise_measured_links_and_a_slow_node_shows(tmp_path) -> None:
     every node probes the others while idle and advertises what it measured (/status and its DHT advert):
     the links to and from the slow node read within 30% of 20 Mbit/s, the others far above."""
     from scripts.local_swarm import Swarm
-    from tests.test_swarm import wait_until
 
     fast = ["--probe-every-s", "2"]
     swarm = Swarm(tmp_path / "swarm", 3, node_args={0: fast, 1: fast, 2: [*fast, "--emulate-mbps", "20"]})

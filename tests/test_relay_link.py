@@ -26,6 +26,7 @@ from node.pipeline.reachability import observed_ip
 from node.pipeline.transport import Link, LinkError, listen
 from protocol.envelope import seal
 from tests.test_hello_assignment import COORD, ME, RID, TRUST, UP, _assignment, _frame
+from tests.test_pipeline_tcp import M, _pipe, _spec, _stage, _tokens  # at collection: no threads running yet
 
 pytestmark = pytest.mark.timeout(120)
 
@@ -157,8 +158,6 @@ def _train_two_stages(
     links: tuple[Link, Link], steps: int, during: Callable[[], None] = lambda: None
 ) -> list[dict]:
     """Both stages of a tiny pipeline, one per thread, over `links`: their weights after `steps` AdamW steps."""
-    from tests.test_pipeline_tcp import M, _pipe, _spec, _stage, _tokens
-
     spec = _spec([8])
     out: list[dict] = [{}, {}]
 
@@ -220,6 +219,38 @@ def test_an_unreachable_verdict_is_checked_again_within_a_minute_then_less_often
     assert recheck_s(True, 0) == RECHECK_KNOWN_S
     waits = [recheck_s(False, n) for n in range(8)]
     assert waits[:5] == [60.0, 60.0, 120.0, 240.0, 480.0] and waits[5:] == [RECHECK_KNOWN_S] * 3
+
+
+def test_a_reconnect_that_fails_as_its_wait_is_cancelled_is_not_logged_from_the_collector(
+    caplog: pytest.LogCaptureFixture,
+) -> None:
+    """A reconnect told GONE just as its session closes: Python 3.11's wait_for, cancelled, drops the
+    error unretrieved, and asyncio logged it with a traceback from the garbage collector, wherever that
+    ran (in CI, inside pytest's compile of a module: CPython then raised SystemError there)."""
+    import asyncio
+    import gc
+
+    from node.pipeline.relay_bridge import SessionGone, retrieved_task
+
+    async def gone() -> None:
+        await asyncio.sleep(0)
+        raise SessionGone("the relayed peer closed this link")
+
+    def run(wrap: Callable) -> None:  # type: ignore[type-arg]
+        async def main() -> None:
+            task = wrap(gone())
+            await asyncio.sleep(0.01)  # it ended with its error, and nobody asked for it
+            assert task.done()
+
+        asyncio.run(main())
+        gc.collect()
+
+    with caplog.at_level("ERROR", logger="asyncio"):
+        run(asyncio.ensure_future)
+        assert "Task exception was never retrieved" in caplog.text  # what the wrapper prevents
+        caplog.clear()
+        run(retrieved_task)
+        assert "never retrieved" not in caplog.text
 
 
 def test_dial_backs_are_rate_limited_per_asker_and_in_all() -> None:

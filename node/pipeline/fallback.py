@@ -45,6 +45,7 @@ from node.pipeline.relay_bridge import (
     read_open,
     read_reply,
     reply_message,
+    retrieved_task,
 )
 
 log = logging.getLogger(__name__)
@@ -218,7 +219,7 @@ class Fallback:
             while loop.time() < deadline:
                 try:
                     stream, peer_recv, addr = await asyncio.wait_for(
-                        reconnect(0, resume=False), max(0.1, deadline - loop.time())
+                        retrieved_task(reconnect(0, resume=False)), max(0.1, deadline - loop.time())
                     )
                     break
                 except Exception as e:  # not reserved yet, the relay restarting, a timeout: try again

@@ -30,6 +30,7 @@ import socket
 import struct
 from collections import deque
 from collections.abc import Awaitable, Callable
+from typing import TypeVar
 
 log = logging.getLogger(__name__)
 
@@ -52,6 +53,7 @@ _OPEN = struct.Struct(">4s16sQ")
 _REPLY = struct.Struct(">4sQ")
 
 Stream = tuple[asyncio.StreamReader, asyncio.StreamWriter]
+T = TypeVar("T")
 
 
 class BridgeError(ConnectionError):
@@ -60,6 +62,16 @@ class BridgeError(ConnectionError):
 
 class SessionGone(BridgeError):
     """The other side has no such session any more (it closed): nothing to resume."""
+
+
+def retrieved_task(coro: Awaitable[T]) -> asyncio.Task[T]:
+    """`coro` as a task whose exception is always retrieved. Python 3.11's wait_for, cancelled while the
+    task it wraps ends with an error (a reconnect told GONE as its session closes), drops that error
+    unretrieved, and asyncio then logs it with a traceback ("Task exception was never retrieved") from
+    the garbage collector, in whatever thread runs it."""
+    task = asyncio.ensure_future(coro)
+    task.add_done_callback(lambda t: None if t.cancelled() else t.exception())
+    return task
 
 
 def open_message(session: bytes, recv_total: int, *, resume: bool) -> bytes:
@@ -206,7 +218,7 @@ class BridgeSession:
                 continue
             try:
                 stream, peer_recv, address = await asyncio.wait_for(
-                    self.reconnect(self.received()), max(0.1, deadline - loop.time())
+                    retrieved_task(self.reconnect(self.received())), max(0.1, deadline - loop.time())
                 )
             except SessionGone as e:
                 last = e
